@@ -1,0 +1,242 @@
+"""Jitted prefill, insert and decode/verify steps over a fixed set of slots (DECODE.md §1-§3).
+
+The contract follows JetStream: `prefill` -> `insert(prefix, state, slot)` -> `step(state)`.
+Everything that varies per request (positions, sampler settings, drafts, keys) is an array, so
+each prefill bucket compiles once and the step compiles once. The state is donated, so caches
+are updated in place.
+
+With native MTP the step verifies `[current, draft]` in one target pass, samples both
+positions with position-keyed keys, accepts the draft iff the target's own token equals it,
+and drafts the next token from the MTP head over the two new rows. Rows past the committed
+length are never read before they are rewritten, so a rejection needs no rollback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mtpjax import errors
+from mtpjax.engine.sampling import SamplerParams, request_key, sample
+from mtpjax.models.config import ModelConfig
+from mtpjax.models.glm4_moe import init_kv
+
+# ResultTokens columns: one int32 [B, 4] array per step means one device->host copy.
+TOKEN_A, TOKEN_B, COUNT, ACCEPTED = range(4)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  slots: int = 1
+  max_len: int = 512                       # prompt + generated tokens per sequence
+  prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
+  native_mtp: bool = False
+  timing: bool = False                     # sync after draft and verify to time them
+
+  @property
+  def cache_len(self) -> int:
+    """Two spare rows hold the verify and draft rows of the last step."""
+    return self.max_len + 2
+
+  def bucket_for(self, length: int) -> int:
+    for bucket in self.prefill_buckets:
+      if bucket >= length and bucket <= self.cache_len:
+        return bucket
+    raise errors.MtpjaxError(
+        f"a prompt of {length - 1} tokens does not fit the prefill buckets "
+        f"{self.prefill_buckets} (max_len {self.max_len})", field="engine.prefill_buckets",
+        remedy="shorten the prompt or raise engine.max_len and engine.prefill_buckets")
+
+
+@flax.struct.dataclass
+class DecodeState:
+  """Per-slot decode state; see DECODE.md §3 for the invariant it keeps.
+
+  A prefilled prompt is a DecodeState with one slot, copied into a slot by `insert`.
+  """
+  kv: list
+  mtp_kv: tuple | None
+  pos: jax.Array          # [B] position of `current`
+  current: jax.Array      # [B] sampled token not yet in the target KV
+  draft: jax.Array        # [B] MTP draft for position pos + 1
+  h_prev: jax.Array       # [B, D] post-norm target hidden at pos - 1
+  keys: jax.Array         # [B, 2] raw request keys
+  temperature: jax.Array  # [B]
+  top_k: jax.Array        # [B]
+  top_p: jax.Array        # [B]
+
+
+def _sampler_arrays(sampler: SamplerParams):
+  return (jnp.asarray([request_key(sampler.seed)], jnp.uint32),
+          jnp.asarray([sampler.temperature], jnp.float32),
+          jnp.asarray([sampler.top_k], jnp.int32),
+          jnp.asarray([sampler.top_p], jnp.float32))
+
+
+class Engine:
+  """Compiled steps for one model (one stage owning everything) and a fixed slot count."""
+
+  def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, cfg: ModelConfig,
+               engine_cfg: EngineConfig, *, dtype=jnp.float32):
+    if engine_cfg.native_mtp and not cfg.has_mtp:
+      raise errors.SpeculativeConfigError(
+          "native MTP requested but the model has no NextN block", field="native_mtp",
+          remedy="set the speculative strategy to disabled")
+    self.graphdef = graphdef
+    self.params = params
+    self.cfg = cfg
+    self.engine_cfg = engine_cfg
+    self.dtype = dtype
+    self.trace_counts: dict[str, int] = {}
+    self._prefill = jax.jit(self._counted("prefill", self._prefill_fn))
+    self._insert = jax.jit(self._counted("insert", self._insert_fn), donate_argnames=("state",))
+    if engine_cfg.native_mtp:
+      self._verify = jax.jit(self._counted("verify", self._verify_fn), donate_argnames=("state",))
+      self._draft = jax.jit(self._counted("draft", self._draft_fn), donate_argnames=("state",))
+      self._fused = jax.jit(self._counted("verify_draft", self._fused_fn),
+                            donate_argnames=("state",))
+    else:
+      self._decode = jax.jit(self._counted("decode", self._decode_fn), donate_argnames=("state",))
+
+  def _counted(self, name: str, fn: Callable) -> Callable:
+    def traced(*args, **kwargs):
+      self.trace_counts[name] = self.trace_counts.get(name, 0) + 1
+      return fn(*args, **kwargs)
+    return traced
+
+  # --- state --------------------------------------------------------------------------------
+
+  def init_state(self) -> DecodeState:
+    cfg, ec = self.cfg, self.engine_cfg
+    b = ec.slots
+    mtp_kv = (init_kv(cfg, 1, b, ec.cache_len, self.dtype)[0] if ec.native_mtp else None)
+    return DecodeState(
+        kv=init_kv(cfg, cfg.n_layers, b, ec.cache_len, self.dtype), mtp_kv=mtp_kv,
+        pos=jnp.zeros((b,), jnp.int32), current=jnp.zeros((b,), jnp.int32),
+        draft=jnp.zeros((b,), jnp.int32), h_prev=jnp.zeros((b, cfg.hidden), self.dtype),
+        keys=jnp.zeros((b, 2), jnp.uint32), temperature=jnp.zeros((b,), jnp.float32),
+        top_k=jnp.zeros((b,), jnp.int32), top_p=jnp.ones((b,), jnp.float32))
+
+  # --- prefill ------------------------------------------------------------------------------
+
+  def prefill(self, prompt: np.ndarray, sampler: SamplerParams) -> DecodeState:
+    """Run a prompt; the bucket leaves one row for the first sampled token's MTP row."""
+    prompt = np.asarray(prompt, np.int32).reshape(-1)
+    if prompt.size == 0:
+      raise errors.MtpjaxError("the prompt is empty", field="prompt",
+                               remedy="pass at least one token id")
+    if prompt.size >= self.engine_cfg.max_len:
+      raise errors.MtpjaxError(
+          f"a prompt of {prompt.size} tokens leaves no room in max_len "
+          f"{self.engine_cfg.max_len}", field="prompt",
+          remedy="shorten the prompt or raise engine.max_len")
+    bucket = self.engine_cfg.bucket_for(prompt.size + 1)
+    tokens = np.zeros((1, bucket), np.int32)
+    tokens[0, :prompt.size] = prompt
+    keys, temperature, top_k, top_p = _sampler_arrays(sampler.validate())
+    return self._prefill(self.params, jnp.asarray(tokens), jnp.int32(prompt.size), keys,
+                         temperature, top_k, top_p)
+
+  def _prefill_fn(self, params, tokens, length, keys, temperature, top_k, top_p) -> DecodeState:
+    model = nnx.merge(self.graphdef, params)
+    cfg, ec = self.cfg, self.engine_cfg
+    bucket = tokens.shape[1]
+    positions = jnp.arange(bucket, dtype=jnp.int32)[None]
+    kv = init_kv(cfg, cfg.n_layers, 1, ec.cache_len, self.dtype)
+    hidden, kv = model.forward(tokens, positions, kv)
+    last = jax.lax.dynamic_index_in_dim(hidden, length - 1, axis=1, keepdims=False)  # [1, D]
+    first = sample(model.lm_logits(last), keys, length[None], temperature, top_k, top_p)
+    mtp_kv, draft = None, jnp.zeros((1,), jnp.int32)
+    if ec.native_mtp:
+      mtp_tokens = jax.lax.dynamic_update_index_in_dim(tokens, first, length, axis=1)
+      prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
+      mtp_kv = init_kv(cfg, 1, 1, ec.cache_len, self.dtype)[0]
+      z, mtp_kv = model.mtp_hidden(mtp_tokens, prev, positions, mtp_kv)
+      z_last = jax.lax.dynamic_index_in_dim(z, length, axis=1, keepdims=False)
+      draft = jnp.argmax(model.mtp_logits(z_last), axis=-1).astype(jnp.int32)
+    return DecodeState(kv=kv, mtp_kv=mtp_kv, pos=length[None], current=first, draft=draft,
+                  h_prev=last, keys=keys, temperature=temperature, top_k=top_k, top_p=top_p)
+
+  def insert(self, prefix: DecodeState, state: DecodeState, slot: int) -> DecodeState:
+    return self._insert(prefix, state, jnp.int32(slot))
+
+  @staticmethod
+  def _insert_fn(prefix: DecodeState, state: DecodeState, slot) -> DecodeState:
+    put = lambda dst, src: jax.lax.dynamic_update_index_in_dim(dst, src[0], slot, axis=0)
+    return jax.tree.map(put, state, prefix)
+
+  # --- steps --------------------------------------------------------------------------------
+
+  def step(self, state: DecodeState, active: np.ndarray) -> tuple[DecodeState, np.ndarray, dict]:
+    """One decode step for every slot; returns the new state, ResultTokens and timings (us)."""
+    active = jnp.asarray(active, bool)
+    if not self.engine_cfg.native_mtp:
+      state, result = self._decode(self.params, state, active)
+      return state, np.asarray(result), {}
+    if not self.engine_cfg.timing:
+      state, result = self._fused(self.params, state, active)
+      return state, np.asarray(result), {}
+    start = time.perf_counter()
+    state, verified = self._verify(self.params, state, active)
+    jax.block_until_ready(verified)
+    mid = time.perf_counter()
+    state, result = self._draft(self.params, state, verified, active)
+    result = np.asarray(result)
+    end = time.perf_counter()
+    return state, result, {"verification_compute_us": int((mid - start) * 1e6),
+                           "proposal_compute_us": int((end - mid) * 1e6)}
+
+  def _decode_fn(self, params, state: DecodeState, active):
+    model = nnx.merge(self.graphdef, params)
+    hidden, kv = model.forward(state.current[:, None], state.pos[:, None], state.kv)
+    token = sample(model.lm_logits(hidden[:, 0]), state.keys, state.pos + 1, state.temperature,
+                   state.top_k, state.top_p)
+    zeros = jnp.zeros_like(token)
+    result = jnp.stack([token, zeros, jnp.ones_like(token), zeros], axis=1)
+    state = state.replace(
+        kv=kv, pos=jnp.where(active, state.pos + 1, state.pos),
+        current=jnp.where(active, token, state.current), h_prev=hidden[:, 0])
+    return state, result
+
+  def _verify_fn(self, params, state: DecodeState, active):
+    """Target pass over [current, draft]; returns the sampled tokens and hiddens."""
+    model = nnx.merge(self.graphdef, params)
+    tokens = jnp.stack([state.current, state.draft], axis=1)
+    positions = state.pos[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
+    hidden, kv = model.forward(tokens, positions, state.kv)
+    logits = model.lm_logits(hidden)                                     # [B, 2, V]
+    sampler = (state.temperature, state.top_k, state.top_p)
+    token_a = sample(logits[:, 0], state.keys, state.pos + 1, *sampler)
+    token_b = sample(logits[:, 1], state.keys, state.pos + 2, *sampler)
+    return state.replace(kv=kv), (token_a, token_b, hidden)
+
+  def _draft_fn(self, params, state: DecodeState, verified, active):
+    """MTP pass over the two new rows, then commit one or two tokens per slot."""
+    model = nnx.merge(self.graphdef, params)
+    token_a, token_b, hidden = verified
+    accept = token_a == state.draft
+    rows = jnp.stack([token_a, token_b], axis=1)
+    positions = state.pos[:, None] + jnp.arange(1, 3, dtype=jnp.int32)[None]
+    z, mtp_kv = model.mtp_hidden(rows, hidden, positions, state.mtp_kv)
+    drafts = jnp.argmax(model.mtp_logits(z), axis=-1).astype(jnp.int32)  # [B, 2]
+    step = jnp.where(accept, 2, 1)
+    result = jnp.stack([token_a, token_b, step, accept.astype(jnp.int32)], axis=1)
+    keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+    state = state.replace(
+        mtp_kv=mtp_kv,
+        pos=keep(state.pos + step, state.pos),
+        current=keep(jnp.where(accept, token_b, token_a), state.current),
+        draft=keep(jnp.where(accept, drafts[:, 1], drafts[:, 0]), state.draft),
+        h_prev=keep(jnp.where(accept[:, None], hidden[:, 1], hidden[:, 0]), state.h_prev))
+    return state, result
+
+  def _fused_fn(self, params, state: DecodeState, active):
+    state, verified = self._verify_fn(params, state, active)
+    return self._draft_fn(params, state, verified, active)

@@ -1,0 +1,167 @@
+"""The host loop: slots, requests, stop conditions and statistics (continuous batching).
+
+A request joins as soon as a slot is free (prefill, then insert), every step advances all
+slots at once, and a finished request frees its slot for the next. Each request's tokens are
+those it would get alone: sampling is keyed by (request seed, position), never by slot or
+schedule. Streaming consumers get each request's tokens through `on_tokens`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable, Iterable
+
+import numpy as np
+
+from mtpjax import errors
+from mtpjax.engine.decode import ACCEPTED, COUNT, TOKEN_A, TOKEN_B, Engine
+from mtpjax.engine.sampling import SamplerParams
+from mtpjax.telemetry import MtpStats
+
+
+@dataclasses.dataclass
+class Request:
+  prompt: np.ndarray
+  max_new_tokens: int
+  sampler: SamplerParams = SamplerParams()
+  stop_ids: frozenset[int] = frozenset()
+  on_tokens: Callable[[list[int]], None] | None = None   # called with each batch of new tokens
+  cancelled: Callable[[], bool] | None = None            # polled every step (client gone)
+
+
+@dataclasses.dataclass
+class Result:
+  tokens: list[int]
+  finish_reason: str               # "stop" | "length" | "cancelled"
+  stats: MtpStats
+  prompt_tokens: int
+  time_to_first_token_s: float
+  total_time_s: float
+
+
+@dataclasses.dataclass
+class _Live:
+  request: Request
+  done: Callable[[Result], None]
+  started: float
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  counts: dict = dataclasses.field(default_factory=lambda: collections.Counter())
+  first_token_s: float = 0.0
+
+
+class SlotScheduler:
+  """Runs requests over the engine's slots until all are done."""
+
+  def __init__(self, engine: Engine):
+    self.engine = engine
+    self.state = engine.init_state()
+    self.slots: list[_Live | None] = [None] * engine.engine_cfg.slots
+    self.waiting: collections.deque[tuple[Request, Callable[[Result], None]]] = (
+        collections.deque())
+    self.occupancy_samples: list[float] = []
+
+  @property
+  def native_mtp(self) -> bool:
+    return self.engine.engine_cfg.native_mtp
+
+  def submit(self, request: Request, done: Callable[[Result], None]) -> None:
+    if request.max_new_tokens < 1:
+      raise errors.MtpjaxError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}",
+                               field="max_new_tokens", remedy="ask for at least one token")
+    self.waiting.append((request, done))
+
+  @property
+  def busy(self) -> bool:
+    return bool(self.waiting) or any(s is not None for s in self.slots)
+
+  def _admit(self) -> None:
+    for index, live in enumerate(self.slots):
+      if live is not None or not self.waiting:
+        continue
+      request, done = self.waiting.popleft()
+      started = time.perf_counter()
+      prefix = self.engine.prefill(request.prompt, request.sampler)
+      self.state = self.engine.insert(prefix, self.state, index)
+      live = _Live(request=request, done=done, started=started)
+      live.counts["target_passes"] += 1
+      live.counts["committed_tokens"] += 1
+      if self.native_mtp:
+        live.counts["drafted"] += 1
+      first = int(np.asarray(prefix.current)[0])
+      live.first_token_s = time.perf_counter() - started
+      self.slots[index] = live
+      self._emit(index, [first])
+
+  def _emit(self, index: int, tokens: list[int]) -> None:
+    """Append tokens, stopping at a stop id, the token budget or the context length."""
+    live = self.slots[index]
+    request = live.request
+    out = []
+    reason = None
+    for token in tokens:
+      out.append(token)
+      live.tokens.append(token)
+      if token in request.stop_ids:
+        reason = "stop"
+        break
+      if len(live.tokens) >= request.max_new_tokens:
+        reason = "length"
+        break
+      if len(request.prompt) + len(live.tokens) >= self.engine.engine_cfg.max_len:
+        reason = "length"
+        break
+    if out and request.on_tokens is not None:
+      request.on_tokens(out)
+    if reason is None and request.cancelled is not None and request.cancelled():
+      reason = "cancelled"
+    if reason is not None:
+      self._finish(index, reason)
+
+  def _finish(self, index: int, reason: str) -> None:
+    live = self.slots[index]
+    self.slots[index] = None
+    c = live.counts
+    stats = MtpStats.from_counts(
+        native_mtp=self.native_mtp, drafted=c["drafted"], accepted=c["accepted"],
+        rejected=c["rejected"], target_passes=c["target_passes"],
+        committed_tokens=c["committed_tokens"], proposal_compute_us=c["proposal_us"],
+        verification_compute_us=c["verification_us"])
+    live.done(Result(tokens=live.tokens, finish_reason=reason, stats=stats,
+                     prompt_tokens=len(live.request.prompt),
+                     time_to_first_token_s=live.first_token_s,
+                     total_time_s=time.perf_counter() - live.started))
+
+  def step(self) -> None:
+    """Admit waiting requests, then advance every live slot by one engine step."""
+    self._admit()
+    active = np.array([s is not None for s in self.slots])
+    if not active.any():
+      return
+    self.occupancy_samples.append(float(active.mean()))
+    self.state, result, timing = self.engine.step(self.state, active)
+    for index, live in enumerate(self.slots):
+      if live is None:
+        continue
+      row = result[index]
+      count = int(row[COUNT])
+      c = live.counts
+      c["target_passes"] += 1
+      c["committed_tokens"] += count
+      if self.native_mtp:
+        c["accepted" if row[ACCEPTED] else "rejected"] += 1
+        c["drafted"] += 1
+        c["proposal_us"] += timing.get("proposal_compute_us", 0)
+        c["verification_us"] += timing.get("verification_compute_us", 0)
+      tokens = [int(row[TOKEN_A])] + ([int(row[TOKEN_B])] if count == 2 else [])
+      self._emit(index, tokens)
+
+  def run(self, requests: Iterable[Request]) -> list[Result]:
+    """Generate every request to completion; results in request order."""
+    results: dict[int, Result] = {}
+    for i, request in enumerate(requests):
+      self.submit(request, lambda r, i=i: results.__setitem__(i, r))
+    while self.busy:
+      self.step()
+    return [results[i] for i in range(len(results))]

@@ -1,0 +1,71 @@
+"""Sampling inside jit, with per-slot parameters as arrays and position-keyed randomness.
+
+The key for the token at absolute position p is `fold_in(request_key, p)`, whatever the
+schedule: MTP on and MTP off therefore draw the same sample from the same logits, which is what
+makes speculative decoding reproducible as well as lossless (DECODE.md §2, §4).
+Greedy is temperature 0, chosen with `jnp.where`, so greedy and sampled requests share one
+compiled step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtpjax import errors
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerParams:
+  """One request's sampler; validated on the host before it reaches a compiled step."""
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+
+  def validate(self) -> "SamplerParams":
+    if not np.isfinite(self.temperature) or self.temperature < 0:
+      raise errors.MtpjaxError(f"temperature must be >= 0, got {self.temperature}",
+                               field="temperature", remedy="use 0 for greedy decoding")
+    if self.top_k < 0:
+      raise errors.MtpjaxError(f"top_k must be >= 0, got {self.top_k}", field="top_k",
+                               remedy="use 0 to disable top-k")
+    if not (0.0 < self.top_p <= 1.0):
+      raise errors.MtpjaxError(f"top_p must be in (0, 1], got {self.top_p}", field="top_p",
+                               remedy="use 1.0 to disable nucleus sampling")
+    return self
+
+
+def request_key(seed: int) -> np.ndarray:
+  """The raw uint32[2] key a request's samples derive from."""
+  return np.asarray(jax.random.key_data(jax.random.key(int(seed) & 0xFFFFFFFF)))
+
+
+def _filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  """Mask logits outside the top-k set and outside the smallest nucleus of mass >= top_p."""
+  vocab = logits.shape[-1]
+  sorted_desc = jnp.sort(logits)[::-1]
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+  kth = sorted_desc[k - 1]
+  logits = jnp.where(logits >= kth, logits, -jnp.inf)
+  sorted_desc = jnp.where(jnp.arange(vocab) < k, sorted_desc, -jnp.inf)
+  probs = jax.nn.softmax(sorted_desc)
+  mass_before = jnp.cumsum(probs) - probs
+  kept = mass_before < top_p
+  cutoff = jnp.min(jnp.where(kept, sorted_desc, jnp.inf))
+  return jnp.where(logits >= cutoff, logits, -jnp.inf)
+
+
+def sample(logits: jax.Array, keys: jax.Array, positions: jax.Array, temperature: jax.Array,
+           top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  """Tokens [B] for logits [B, V] at absolute `positions` [B], one sampler per row."""
+  def one(row, key_data, position, temp, k, p):
+    greedy = jnp.argmax(row).astype(jnp.int32)
+    key = jax.random.fold_in(jax.random.wrap_key_data(key_data), position)
+    scaled = _filter_logits(row.astype(jnp.float32) / jnp.maximum(temp, 1e-6), k, p)
+    drawn = jax.random.categorical(key, scaled).astype(jnp.int32)
+    return jnp.where(temp > 0, drawn, greedy)
+  return jax.vmap(one)(logits, keys, positions, temperature, top_k, top_p)

@@ -1,0 +1,94 @@
+"""The GGUF tensor name -> model parameter path map (llama.cpp `glm4moe` names, MODEL.md §4).
+
+Paths index the NNX state of `mtpjax.models.glm4_moe.GlmModel` for one `StageLayout`. A fused
+`attn_qkv` tensor maps to three targets, each a row slice of the source (rows ordered q, k, v).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from mtpjax.models.config import ModelConfig
+from mtpjax.models.glm4_moe import StageLayout
+
+_BLOCK = {
+    "attn_norm.weight": ("attn_norm", "weight"),
+    "attn_q.weight": ("attn", "wq"),
+    "attn_q.bias": ("attn", "bq"),
+    "attn_k.weight": ("attn", "wk"),
+    "attn_k.bias": ("attn", "bk"),
+    "attn_v.weight": ("attn", "wv"),
+    "attn_v.bias": ("attn", "bv"),
+    "attn_output.weight": ("attn", "wo"),
+    "attn_q_norm.weight": ("attn", "q_norm", "weight"),
+    "attn_k_norm.weight": ("attn", "k_norm", "weight"),
+    "post_attention_norm.weight": ("ffn_norm", "weight"),
+    "ffn_gate.weight": ("ffn", "gate"),
+    "ffn_up.weight": ("ffn", "up"),
+    "ffn_down.weight": ("ffn", "down"),
+    "ffn_gate_inp.weight": ("ffn", "router"),
+    "exp_probs_b.bias": ("ffn", "router_bias"),
+    "ffn_gate_exps.weight": ("ffn", "gate_exps"),
+    "ffn_up_exps.weight": ("ffn", "up_exps"),
+    "ffn_down_exps.weight": ("ffn", "down_exps"),
+    "ffn_gate_shexp.weight": ("ffn", "shared", "gate"),
+    "ffn_up_shexp.weight": ("ffn", "shared", "up"),
+    "ffn_down_shexp.weight": ("ffn", "shared", "down"),
+}
+
+_NEXTN = {
+    "eh_proj.weight": ("mtp", "eh_proj"),
+    "enorm.weight": ("mtp", "enorm", "weight"),
+    "hnorm.weight": ("mtp", "hnorm", "weight"),
+    "shared_head_norm.weight": ("mtp", "head_norm", "weight"),
+    "embed_tokens.weight": ("mtp", "embed"),
+    "shared_head_head.weight": ("mtp", "head"),
+}
+
+_BLK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """Where (part of) a source tensor goes: a state path and an optional row range."""
+  path: tuple
+  rows: tuple[int, int] | None = None
+
+
+def _block_targets(prefix: tuple, suffix: str, cfg: ModelConfig) -> list[Target]:
+  if suffix in ("attn_qkv.weight", "attn_qkv.bias"):
+    kind = suffix.split(".")[1]
+    q = cfg.n_heads * cfg.head_dim
+    k = cfg.n_kv_heads * cfg.head_dim
+    v = cfg.n_kv_heads * cfg.value_dim
+    names = ("wq", "wk", "wv") if kind == "weight" else ("bq", "bk", "bv")
+    bounds = ((0, q), (q, q + k), (q + k, q + k + v))
+    return [Target(prefix + ("attn", n), b) for n, b in zip(names, bounds)]
+  if suffix in _BLOCK:
+    return [Target(prefix + _BLOCK[suffix])]
+  return []
+
+
+def targets_for(name: str, cfg: ModelConfig, layout: StageLayout) -> list[Target]:
+  """The parameters of `layout` that tensor `name` fills; [] when this stage does not use it."""
+  if name == "token_embd.weight":
+    return [Target(("embed",))] if layout.needs_token_embedding(cfg) else []
+  if name == "output_norm.weight":
+    return [Target(("output_norm", "weight"))] if layout.output else []
+  if name == "output.weight":
+    return [Target(("head",))] if layout.output else []
+  match = _BLK.fullmatch(name)
+  if not match:
+    return []
+  layer, suffix = int(match.group(1)), match.group(2)
+  if layer == cfg.mtp_layer and cfg.has_mtp:
+    if not layout.mtp:
+      return []
+    if suffix.startswith("nextn."):
+      path = _NEXTN.get(suffix[len("nextn."):])
+      return [Target(path)] if path else []
+    return _block_targets(("mtp", "block"), suffix, cfg)
+  if layout.layer_start <= layer < layout.layer_end:
+    return _block_targets(("layers", layer - layout.layer_start), suffix, cfg)
+  return []

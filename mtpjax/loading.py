@@ -1,0 +1,118 @@
+"""Stream GGUF tensors of one stage into model parameters, placed on their devices.
+
+The reader yields one artifact at a time and each tensor is dequantized, cast and put on its
+target sharding before the next is read, so peak host memory is about one tensor plus what is
+already on the devices, never the whole model twice.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mtpjax import errors
+from mtpjax.gguf import names
+from mtpjax.gguf.tensors import dequantize
+from mtpjax.models.config import ModelConfig
+from mtpjax.models.glm4_moe import GlmModel, StageLayout
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+ShardingFn = Callable[[tuple, tuple], jax.sharding.Sharding | None]
+
+
+def resolve_dtype(dtype) -> jnp.dtype:
+  if isinstance(dtype, str):
+    if dtype not in DTYPES:
+      raise errors.ConversionError(
+          f"unsupported dtype {dtype!r}", field="dtype",
+          remedy=f"choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+  return jnp.dtype(dtype)
+
+
+def abstract_model(cfg: ModelConfig, layout: StageLayout, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+  """The model's structure and parameter shapes, without allocating any parameter."""
+  model = nnx.eval_shape(lambda: GlmModel(cfg, layout, dtype=resolve_dtype(dtype)))
+  return nnx.split(model)
+
+
+def flat_paths(state: nnx.State) -> dict[tuple, jax.ShapeDtypeStruct]:
+  """State leaves by path tuple (dict keys and list indices), e.g. ('layers', 0, 'attn', 'wq')."""
+  pure = nnx.to_pure_dict(state)
+  out = {}
+  def walk(node, prefix):
+    if isinstance(node, dict):
+      for key, child in node.items():
+        walk(child, prefix + (key,))
+    else:
+      out[prefix] = node
+  walk(pure, ())
+  return out
+
+
+def unflatten(leaves: dict[tuple, object]) -> dict:
+  root: dict = {}
+  for path, value in leaves.items():
+    node = root
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = value
+  return root
+
+
+def stage_gguf_range(cfg: ModelConfig, layout: StageLayout) -> tuple[int, int]:
+  """GGUF block indices a stage reads: its trunk layers, plus the NextN block with the head."""
+  end = layout.layer_end + 1 if layout.mtp else layout.layer_end
+  return layout.layer_start, end
+
+
+def load_state(source, cfg: ModelConfig, layout: StageLayout, *, dtype="float32",
+               sharding_fn: ShardingFn | None = None,
+               progress: Callable[[int], None] | None = None) -> nnx.State:
+  """Read, dequantize and place every parameter a stage needs; return the filled NNX state."""
+  graphdef, abstract = abstract_model(cfg, layout, dtype)
+  expected = flat_paths(abstract)
+  filled: dict[tuple, jax.Array] = {}
+  start, end = stage_gguf_range(cfg, layout)
+  extra = ["token_embd.weight"] if (layout.needs_token_embedding(cfg)
+                                     and not layout.embeddings) else []
+  for info, raw in source.iter_stage_tensors(start, end, embeddings=layout.embeddings,
+                                              output=layout.output, extra=extra):
+    targets = names.targets_for(info.name, cfg, layout)
+    if not targets:
+      continue
+    leaf_dtype = np.dtype(expected[targets[0].path].dtype)
+    deq_dtype = "bfloat16" if leaf_dtype == jnp.bfloat16 else "float32"
+    array = dequantize(info.name, info.ggml_type, info.ne, raw, dtype=deq_dtype)
+    for target in targets:
+      part = array if target.rows is None else array[target.rows[0]:target.rows[1]]
+      want = expected.get(target.path)
+      if want is None or tuple(part.shape) != tuple(want.shape):
+        raise errors.ConversionError(
+            f"tensor {info.name} has shape {tuple(part.shape)} but the model expects "
+            f"{None if want is None else tuple(want.shape)} at {'/'.join(map(str, target.path))}",
+            path=info.path, field=info.name,
+            remedy="check that the GGUF metadata matches its tensors (re-convert the model)")
+      part = np.asarray(part, dtype=want.dtype)
+      sharding = sharding_fn(target.path, part.shape) if sharding_fn else None
+      filled[target.path] = (jax.device_put(part, sharding) if sharding is not None
+                             else jnp.asarray(part))
+    if progress is not None:
+      progress(info.n_bytes)
+  missing = sorted("/".join(map(str, p)) for p in expected if p not in filled)
+  if missing:
+    raise errors.ConversionError(
+        f"the source lacks tensors for {len(missing)} parameters: {', '.join(missing[:8])}",
+        path=str(source.path), field=missing[0],
+        remedy="use a complete GGUF or package (see MODEL.md §4 for required tensors)")
+  nnx.replace_by_pure_dict(abstract, unflatten(filled))
+  return graphdef, abstract
+
+
+def build_model(graphdef: nnx.GraphDef, state: nnx.State) -> GlmModel:
+  return nnx.merge(graphdef, state)

@@ -1,0 +1,218 @@
+"""Building blocks of the GLM-4.x MoE forward pass (../shared/design/MODEL.md §5-§6).
+
+Weights keep the GGUF/PyTorch `[out, in]` layout (experts `[E, out, in]`), so dequantized arrays
+load without a transpose; every projection contracts with `einsum('...i,oi->...o')`.
+Norms, RoPE, router and softmax run in float32 whatever the weight dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtpjax.models.config import ModelConfig
+
+
+def _param(shape, dtype) -> nnx.Param:
+  return nnx.Param(jnp.zeros(shape, dtype))
+
+
+def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+  y = jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype))
+  return y if bias is None else y + bias.astype(y.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """HF/llama.cpp RMSNorm: normalise in float32, cast back, then scale."""
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, dtype):
+    self.weight = _param((dim,), jnp.float32)
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return rms_norm(x, self.weight[...], self.eps)
+
+
+def rope_neox(x: jax.Array, positions: jax.Array, rope_dims: int, theta: float) -> jax.Array:
+  """Rotate-half RoPE on the first `rope_dims` dims of each head; the rest pass through.
+
+  x: [B, T, heads, head_dim]; positions: [B, T] absolute, 0-based.
+  """
+  half = rope_dims // 2
+  inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / rope_dims)
+  angle = positions.astype(jnp.float32)[..., None] * inv_freq          # [B, T, half]
+  cos = jnp.cos(angle)[:, :, None, :]
+  sin = jnp.sin(angle)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  x1, x2, rest = x32[..., :half], x32[..., half:rope_dims], x32[..., rope_dims:]
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+  return rotated.astype(x.dtype)
+
+
+def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
+  """Write `rows` [B, T, ...] into `cache` [B, S, ...] at per-slot row `start` [B]."""
+  def one(c, r, s):
+    return jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), s, axis=0)
+  return jax.vmap(one)(cache, rows, start)
+
+
+def causal_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                     positions: jax.Array) -> jax.Array:
+  """Attend from queries at absolute `positions` to cache rows j <= position.
+
+  Rows past a slot's position are stale and masked, which is the whole rollback mechanism of
+  speculative decoding. q: [B, T, H, hd]; caches: [B, S, Hkv, d]; returns [B, T, H, vd].
+  """
+  b, t, h, hd = q.shape
+  hkv = k_cache.shape[2]
+  q = q.reshape(b, t, hkv, h // hkv, hd)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q.astype(jnp.float32),
+                      k_cache.astype(jnp.float32)) / jnp.sqrt(jnp.float32(hd))
+  key_pos = jnp.arange(k_cache.shape[1])
+  visible = key_pos[None, None, None, None, :] <= positions[:, None, None, :, None]
+  scores = jnp.where(visible, scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache.astype(jnp.float32))
+  return out.reshape(b, t, h, v_cache.shape[-1]).astype(q.dtype)
+
+
+class Attention(nnx.Module):
+  """GQA with optional q/k/v bias and per-head q/k RMSNorm before partial NeoX RoPE."""
+
+  def __init__(self, cfg: ModelConfig, dtype):
+    self.cfg = cfg
+    d, h, hkv, hd, vd = cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.value_dim
+    self.wq = _param((h * hd, d), dtype)
+    self.wk = _param((hkv * hd, d), dtype)
+    self.wv = _param((hkv * vd, d), dtype)
+    self.wo = _param((d, h * vd), dtype)
+    if cfg.attn_bias:
+      self.bq = _param((h * hd,), jnp.float32)
+      self.bk = _param((hkv * hd,), jnp.float32)
+      self.bv = _param((hkv * vd,), jnp.float32)
+    else:
+      self.bq = self.bk = self.bv = None
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(hd, cfg.eps, dtype)
+      self.k_norm = RMSNorm(hd, cfg.eps, dtype)
+    else:
+      self.q_norm = self.k_norm = None
+
+  def __call__(self, x, positions, cache):
+    cfg = self.cfg
+    b, t, _ = x.shape
+    bias = lambda p: None if p is None else p[...]
+    q = linear(x, self.wq[...], bias(self.bq)).reshape(b, t, cfg.n_heads, cfg.head_dim)
+    k = linear(x, self.wk[...], bias(self.bk)).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+    v = linear(x, self.wv[...], bias(self.bv)).reshape(b, t, cfg.n_kv_heads, cfg.value_dim)
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = rope_neox(q, positions, cfg.rope_dims, cfg.rope_theta)
+    k = rope_neox(k, positions, cfg.rope_dims, cfg.rope_theta)
+    k_cache, v_cache = cache
+    start = positions[:, 0]
+    k_cache = write_rows(k_cache, k, start)
+    v_cache = write_rows(v_cache, v, start)
+    out = causal_attention(q, k_cache, v_cache, positions)
+    return linear(out.reshape(b, t, -1), self.wo[...]), (k_cache, v_cache)
+
+
+class DenseMLP(nnx.Module):
+
+  def __init__(self, hidden: int, ffn: int, dtype):
+    self.gate = _param((ffn, hidden), dtype)
+    self.up = _param((ffn, hidden), dtype)
+    self.down = _param((hidden, ffn), dtype)
+
+  def __call__(self, x):
+    return linear(jax.nn.silu(linear(x, self.gate[...])) * linear(x, self.up[...]), self.down[...])
+
+
+def route(scores_in: jax.Array, bias: jax.Array, cfg: ModelConfig):
+  """Router: returns (expert ids [N, K], weights [N, K]) as MODEL.md §6.7 prescribes.
+
+  The correction bias only chooses experts; the weights come from the unbiased scores.
+  """
+  if cfg.gating == "sigmoid":
+    scores = jax.nn.sigmoid(scores_in)
+  else:
+    scores = jax.nn.softmax(scores_in, axis=-1)
+  select = scores + bias
+  if cfg.n_groups > 1:
+    n, e = select.shape
+    grouped = select.reshape(n, cfg.n_groups, e // cfg.n_groups)
+    group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)                     # [N, G]
+    _, keep = jax.lax.top_k(group_score, cfg.groups_used)
+    group_mask = jnp.zeros((n, cfg.n_groups), bool).at[jnp.arange(n)[:, None], keep].set(True)
+    expert_mask = jnp.repeat(group_mask, e // cfg.n_groups, axis=1)
+    select = jnp.where(expert_mask, select, -jnp.inf)
+  _, expert_ids = jax.lax.top_k(select, cfg.n_experts_used)
+  weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
+  if cfg.norm_topk:
+    weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+  return expert_ids, weights * cfg.routed_scale
+
+
+class MoE(nnx.Module):
+  """Routed experts plus the always-on shared expert."""
+
+  def __init__(self, cfg: ModelConfig, dtype):
+    self.cfg = cfg
+    e, f, d = cfg.n_experts, cfg.expert_ffn, cfg.hidden
+    self.router = _param((e, d), jnp.float32)
+    self.router_bias = _param((e,), jnp.float32)
+    self.gate_exps = _param((e, f, d), dtype)
+    self.up_exps = _param((e, f, d), dtype)
+    self.down_exps = _param((e, d, f), dtype)
+    self.shared = (DenseMLP(d, f * cfg.n_shared_experts, dtype)
+                   if cfg.n_shared_experts > 0 else None)
+
+  def __call__(self, x):
+    cfg = self.cfg
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    n = flat.shape[0]
+    logits = jnp.einsum("nd,ed->ne", flat.astype(jnp.float32), self.router[...])
+    expert_ids, weights = route(logits, self.router_bias[...], cfg)
+    if n * cfg.n_experts_used <= cfg.n_experts:
+      # Few tokens (decode): read only the selected experts' weights.
+      gate = self.gate_exps[...][expert_ids]                               # [N, K, F, D]
+      up = self.up_exps[...][expert_ids]
+      down = self.down_exps[...][expert_ids]                               # [N, K, D, F]
+      act = jax.nn.silu(jnp.einsum("nd,nkfd->nkf", flat, gate.astype(flat.dtype)))
+      act = act * jnp.einsum("nd,nkfd->nkf", flat, up.astype(flat.dtype))
+      expert_out = jnp.einsum("nkf,nkdf->nkd", act, down.astype(flat.dtype))
+    else:
+      # Many tokens (prefill): run every expert once, then pick the selected outputs.
+      act = jax.nn.silu(jnp.einsum("nd,efd->nef", flat, self.gate_exps[...].astype(flat.dtype)))
+      act = act * jnp.einsum("nd,efd->nef", flat, self.up_exps[...].astype(flat.dtype))
+      all_out = jnp.einsum("nef,edf->ned", act, self.down_exps[...].astype(flat.dtype))
+      expert_out = jnp.take_along_axis(all_out, expert_ids[..., None], axis=1)
+    routed = jnp.einsum("nk,nkd->nd", weights.astype(jnp.float32),
+                        expert_out.astype(jnp.float32)).astype(flat.dtype)
+    if self.shared is not None:
+      routed = routed + self.shared(flat)
+    return routed.reshape(*lead, -1)
+
+
+class DecoderBlock(nnx.Module):
+  """Pre-norm attention + (dense | MoE) FFN; GLM names its pre-FFN norm post_attention_norm."""
+
+  def __init__(self, cfg: ModelConfig, layer: int, dtype):
+    self.attn_norm = RMSNorm(cfg.hidden, cfg.eps, dtype)
+    self.attn = Attention(cfg, dtype)
+    self.ffn_norm = RMSNorm(cfg.hidden, cfg.eps, dtype)
+    self.ffn = MoE(cfg, dtype) if cfg.is_moe_layer(layer) else DenseMLP(cfg.hidden, cfg.ffn, dtype)
+
+  def __call__(self, x, positions, cache):
+    attn_out, cache = self.attn(self.attn_norm(x), positions, cache)
+    x = x + attn_out
+    x = x + self.ffn(self.ffn_norm(x))
+    return x, cache
