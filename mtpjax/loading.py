@@ -71,19 +71,23 @@ def stage_gguf_range(cfg: ModelConfig, layout: StageLayout) -> tuple[int, int]:
   return layout.layer_start, end
 
 
-def load_state(source, cfg: ModelConfig, layout: StageLayout, *, dtype="float32",
-               sharding_fn: ShardingFn | None = None,
-               progress: Callable[[int], None] | None = None) -> nnx.State:
-  """Read, dequantize and place every parameter a stage needs; return the filled NNX state."""
+def load_leaves(source, cfg: ModelConfig, layout: StageLayout, *, dtype="float32",
+                sharding_fn: ShardingFn | None = None, keep: Callable[[tuple], bool] | None = None,
+                progress: Callable[[int], None] | None = None):
+  """Read, dequantize and place the parameters of a stage (those `keep` accepts).
+
+  Returns (graphdef, abstract state, {path: array}); tensors the stage does not use are never
+  dequantized.
+  """
   graphdef, abstract = abstract_model(cfg, layout, dtype)
-  expected = flat_paths(abstract)
+  expected = {p: s for p, s in flat_paths(abstract).items() if keep is None or keep(p)}
   filled: dict[tuple, jax.Array] = {}
   start, end = stage_gguf_range(cfg, layout)
-  extra = ["token_embd.weight"] if (layout.needs_token_embedding(cfg)
-                                     and not layout.embeddings) else []
+  extra = ["token_embd.weight"] if (("embed",) in expected and not layout.embeddings) else []
   for info, raw in source.iter_stage_tensors(start, end, embeddings=layout.embeddings,
                                               output=layout.output, extra=extra):
-    targets = names.targets_for(info.name, cfg, layout)
+    targets = [t for t in names.targets_for(info.name, cfg, layout)
+               if keep is None or keep(t.path)]
     if not targets:
       continue
     leaf_dtype = np.dtype(expected[targets[0].path].dtype)
@@ -110,8 +114,23 @@ def load_state(source, cfg: ModelConfig, layout: StageLayout, *, dtype="float32"
         f"the source lacks tensors for {len(missing)} parameters: {', '.join(missing[:8])}",
         path=str(source.path), field=missing[0],
         remedy="use a complete GGUF or package (see MODEL.md §4 for required tensors)")
-  nnx.replace_by_pure_dict(abstract, unflatten(filled))
+  return graphdef, abstract, filled
+
+
+def assemble(graphdef: nnx.GraphDef, abstract: nnx.State,
+             leaves: dict[tuple, jax.Array]) -> tuple[nnx.GraphDef, nnx.State]:
+  """Put loaded arrays into the abstract state; (graphdef, state) feed `nnx.merge` or jit."""
+  nnx.replace_by_pure_dict(abstract, unflatten(leaves))
   return graphdef, abstract
+
+
+def load_state(source, cfg: ModelConfig, layout: StageLayout, *, dtype="float32",
+               sharding_fn: ShardingFn | None = None,
+               progress: Callable[[int], None] | None = None):
+  """(graphdef, state) of a stage read straight from a GGUF source."""
+  graphdef, abstract, leaves = load_leaves(source, cfg, layout, dtype=dtype,
+                                           sharding_fn=sharding_fn, progress=progress)
+  return assemble(graphdef, abstract, leaves)
 
 
 def build_model(graphdef: nnx.GraphDef, state: nnx.State) -> GlmModel:

@@ -1,0 +1,99 @@
+"""GGUF / split GGUF / layer package -> orbax checkpoint of dequantized params.
+
+`python -m mtpjax.convert SRC OUT_DIR [--dtype bfloat16|float32] [--stages N] [--overwrite]`
+
+The conversion streams part by part (one trunk layer, the embeddings, the output head, the
+NextN block): each part is dequantized, saved and dropped before the next is read, so peak host
+memory is about one part. Every artifact is SHA-256 checked in the same pass. Everything is
+written to a sibling temporary directory that is renamed into place only when complete, so a
+killed conversion leaves nothing that looks like a checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+
+from absl import app, flags
+from tqdm import tqdm
+
+import mtpjax
+from mtpjax import checkpoint, errors, loading
+from mtpjax.models.config import config_from_gguf
+from mtpjax.package import planning
+from mtpjax.package.reader import open_source
+
+
+def convert(src, out_dir, *, dtype: str = "float32", stages: int = 1, overwrite: bool = False,
+            show_progress: bool = True) -> pathlib.Path:
+  out_dir = pathlib.Path(out_dir)
+  if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+    raise errors.CheckpointError(
+        "the output directory is not empty", path=str(out_dir),
+        remedy="choose an empty directory or pass --overwrite")
+  loading.resolve_dtype(dtype)
+  with open_source(src, verify="sha256") as source:
+    cfg = config_from_gguf(source.metadata, source.tensors, source=str(source.path))
+    plan = planning.plan_stages(source.layer_count, stages)
+    total = sum(info.n_bytes for info in source.tensors.values())
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+      with tqdm(total=total, unit="B", unit_scale=True, desc="convert",
+                disable=not show_progress) as bar:
+        for name, layout in checkpoint.part_layouts(cfg).items():
+          keep = lambda path, name=name, layout=layout: (
+              checkpoint.part_of(path, layout)[0] == name)
+          _, _, leaves = loading.load_leaves(source, cfg, layout, dtype=dtype, keep=keep,
+                                             progress=bar.update)
+          checkpoint.save_part(tmp, name, {checkpoint.part_of(p, layout)[1]: a
+                                           for p, a in leaves.items()})
+          del leaves
+      checkpoint.write_record(tmp, {
+          "format_version": checkpoint.FORMAT_VERSION,
+          "mtpjax_version": mtpjax.__version__,
+          "dtype": dtype,
+          "model_config": cfg.to_dict(),
+          "metadata": source.metadata,
+          "source": {
+              "kind": source.kind, "path": str(source.path),
+              "manifest": None if source.manifest is None else source.manifest.raw,
+              "manifest_sha256": source.manifest_sha256,
+              "layer_count": source.layer_count,
+              "tensor_names": sorted(source.tensors),
+          },
+          "stage_plan": [[s.layer_start, s.layer_end] for s in plan],
+          "parts": sorted(checkpoint.part_layouts(cfg)),
+      })
+      if out_dir.exists():
+        shutil.rmtree(out_dir)
+      os.replace(tmp, out_dir)
+    except BaseException:
+      shutil.rmtree(tmp, ignore_errors=True)
+      raise
+  return out_dir
+
+
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "parameter dtype")
+_STAGES = flags.DEFINE_integer("stages", 1, "pipeline stages recorded in the stage plan")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "replace a non-empty OUT_DIR")
+
+
+def main(argv):
+  if len(argv) != 3:
+    raise app.UsageError("usage: python -m mtpjax.convert SRC OUT_DIR [--dtype ...] [--stages N]")
+  try:
+    out = convert(argv[1], argv[2], dtype=_DTYPE.value, stages=_STAGES.value,
+                  overwrite=_OVERWRITE.value)
+  except errors.MtpjaxError as exc:
+    print(f"error: {exc}", file=sys.stderr)
+    return 1
+  print(out)
+  return 0
+
+
+if __name__ == "__main__":
+  app.run(main)

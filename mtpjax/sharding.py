@@ -1,0 +1,67 @@
+"""Device meshes and the partition rules for parameters, in one place.
+
+Rules are role-named (as in tpu-inference): a parameter's role comes from its leaf name and
+picks which axis is split over the mesh's `tensor` axis. A dimension that the axis size does
+not divide stays replicated, so any mesh works, only less evenly.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mtpjax import errors
+
+STAGE, TENSOR = "stage", "tensor"
+
+# leaf name -> index of the dimension split over `tensor` (negative: from the end).
+_SPLIT_DIM = {
+    "wq": 0, "wk": 0, "wv": 0, "bq": 0, "bk": 0, "bv": 0,   # attention heads (output rows)
+    "wo": -1,                                               # attention heads (input columns)
+    "gate": 0, "up": 0, "down": -1,                          # dense / shared-expert FFN width
+    "gate_exps": 0, "up_exps": 0, "down_exps": 0,           # experts
+    "embed": 0, "head": 0,                                   # vocabulary
+}
+
+
+def make_mesh(*, stages: int = 1, tensor: int | None = None, devices=None) -> Mesh:
+  """A ('stage', 'tensor') mesh; `tensor` defaults to every device left after the stages."""
+  devices = list(jax.devices() if devices is None else devices)
+  if stages < 1:
+    raise errors.MeshConfigError(f"mesh.stages must be >= 1, got {stages}", field="mesh.stages",
+                                 remedy="use 1 for no pipelining")
+  if tensor is None:
+    tensor = max(1, len(devices) // stages)
+  if stages * tensor > len(devices):
+    raise errors.MeshConfigError(
+        f"a mesh of {stages} stages x {tensor} tensor shards needs {stages * tensor} devices, "
+        f"but {len(devices)} are available", field="mesh.stages",
+        remedy="lower mesh.stages or mesh.tensor, or add devices")
+  grid = np.array(devices[:stages * tensor]).reshape(stages, tensor)
+  return Mesh(grid, (STAGE, TENSOR), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def param_spec(path: tuple, shape: tuple, tensor_size: int) -> P:
+  """The PartitionSpec of one parameter of a stage's model."""
+  dims = [None] * len(shape)
+  split = _SPLIT_DIM.get(path[-1])
+  if split is not None and tensor_size > 1 and len(shape) > 0:
+    dim = split % len(shape)
+    if shape[dim] % tensor_size == 0:
+      dims[dim] = TENSOR
+  return P(*dims)
+
+
+def param_sharding_fn(mesh: Mesh):
+  """`(path, shape) -> NamedSharding` for the loader and checkpoint restore."""
+  tensor_size = mesh.shape[TENSOR]
+  def fn(path: tuple, shape: tuple) -> NamedSharding:
+    return NamedSharding(mesh, param_spec(path, shape, tensor_size))
+  return fn
+
+
+def stage_submesh(mesh: Mesh, stage: int) -> Mesh:
+  """The devices of one pipeline stage, as a ('stage', 'tensor') mesh with one stage."""
+  grid = mesh.devices[stage:stage + 1]
+  return Mesh(grid, (STAGE, TENSOR), axis_types=(jax.sharding.AxisType.Auto,) * 2)
