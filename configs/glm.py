@@ -1,0 +1,93 @@
+"""mtpjax configs: `--config=configs/glm.py[:variant]`, overrides as `--config.group.field=value`.
+
+Variants: the default (and `tiny`) serve the tiny demo package that `mtpjax/testing` builds, so
+the main command runs offline; `glm-4.5-air`, `glm-4.7`, `glm-4.7-flash` and `glm-5` describe
+real packages whose path is given with `--config.model.source=/path/to/package-or.gguf`.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+from ml_collections import config_dict
+
+# Every variant keys its per-model settings as `models.glm`, so one command line
+# (`--config.models.glm.speculative.strategy=disabled`) works whatever the variant.
+MODEL_NAME = "glm"
+
+# variant -> (GGUF general.architecture, served model name); None is the embedded demo.
+_REAL_VARIANTS = {
+    "glm-4.5-air": ("glm4moe", "glm-4.5-air"),
+    "glm-4.7": ("glm4moe", "glm-4.7"),
+    "glm-4.7-flash": ("deepseek2", "glm-4.7-flash"),
+    "glm-5": ("glm-dsa", "glm-5"),
+}
+VARIANTS = ("tiny",) + tuple(_REAL_VARIANTS)
+
+
+def _speculative() -> ml_collections.ConfigDict:
+  """Unset (None) differs from "": None falls through to the next scope (SPECULATIVE.md §2)."""
+  return ml_collections.ConfigDict({"strategy": config_dict.placeholder(str)})
+
+
+def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
+  """A locked config: unknown fields (e.g. upstream's `mode`, `draft_*`) are rejected."""
+  variant = (variant or "").strip() or None
+  if variant is not None and variant not in VARIANTS:
+    raise ValueError(f"configs/glm.py: unknown variant {variant!r}; choose one of "
+                     f"{', '.join(VARIANTS)} or none for the embedded tiny demo")
+  config = ml_collections.ConfigDict()
+
+  config.model = ml_collections.ConfigDict()
+  # None: required (set --config.model.source); "": the embedded tiny demo package.
+  config.model.source = config_dict.placeholder(str)
+  config.model.name = MODEL_NAME
+  config.model.arch = "glm4moe"
+  config.model.dtype = "float32"
+
+  config.mesh = ml_collections.ConfigDict()
+  config.mesh.stages = 1
+  config.mesh.splits = config_dict.placeholder(tuple)   # layer boundaries; None = even split
+  config.mesh.tensor = 1
+
+  config.engine = ml_collections.ConfigDict()
+  config.engine.slots = 4
+  config.engine.max_len = 512
+  config.engine.prefill_buckets = (16, 32, 64, 128, 256)
+  config.engine.timing = False     # syncs after draft/verify to fill the *_compute_us counters
+  config.engine.seed = 0
+
+  config.sampling = ml_collections.ConfigDict()
+  config.sampling.temperature = 0.0
+  config.sampling.top_k = 0
+  config.sampling.top_p = 1.0
+  config.sampling.max_new_tokens = 128
+
+  config.defaults = ml_collections.ConfigDict()
+  config.defaults.speculative = _speculative()
+  config.models = ml_collections.ConfigDict()
+  config.models[MODEL_NAME] = ml_collections.ConfigDict({"speculative": _speculative()})
+
+  config.server = ml_collections.ConfigDict()
+  config.server.host = "127.0.0.1"
+  config.server.port = 8000
+  config.server.model_name = "mtpjax-tiny"
+
+  config.distributed = ml_collections.ConfigDict()
+  config.distributed.coordinator_address = config_dict.placeholder(str)
+  config.distributed.num_processes = config_dict.placeholder(int)
+  config.distributed.process_id = config_dict.placeholder(int)
+
+  config.cache_dir = config_dict.placeholder(str)
+
+  if variant in _REAL_VARIANTS:
+    config.model.arch, config.server.model_name = _REAL_VARIANTS[variant]
+  else:
+    config.model.source = ""
+  if variant == "tiny":
+    config.engine.slots = 2
+    config.engine.max_len = 64
+    config.engine.prefill_buckets = (16, 32)
+    config.sampling.max_new_tokens = 16
+
+  config.lock()
+  return config

@@ -1,0 +1,156 @@
+"""configs/glm.py and configs/tiny.py through ml_collections' command-line flags (STYLE.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from absl import flags
+from absl.testing import absltest
+from absl.testing import parameterized
+from ml_collections import config_flags
+
+from configs import glm
+from configs import tiny
+from mtpjax import speculative
+from mtpjax.errors import SpeculativeConfigError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GLM = os.path.join(REPO, "configs", "glm.py")
+TINY = os.path.join(REPO, "configs", "tiny.py")
+
+
+def parse(*args: str):
+  """Parses a command line the way `mtpjax.serve` will: a fresh FlagValues, config locked."""
+  argv = ["serve", *args]
+  flag_values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, flag_values=flag_values, lock_config=True,
+                                  sys_argv=argv)
+  flag_values(argv)
+  return flag_values.config
+
+
+class GetConfigTest(parameterized.TestCase):
+
+  def test_default_is_the_embedded_demo(self):
+    config = glm.get_config()
+    self.assertEqual(config.model.source, "")
+    self.assertEqual((config.model.name, config.model.arch, config.model.dtype),
+                     ("glm", "glm4moe", "float32"))
+    self.assertEqual((config.mesh.stages, config.mesh.splits, config.mesh.tensor), (1, None, 1))
+    self.assertEqual((config.engine.slots, config.engine.max_len, config.engine.timing,
+                      config.engine.seed), (4, 512, False, 0))
+    self.assertEqual(config.engine.prefill_buckets, (16, 32, 64, 128, 256))
+    self.assertEqual((config.sampling.temperature, config.sampling.top_k, config.sampling.top_p,
+                      config.sampling.max_new_tokens), (0.0, 0, 1.0, 128))
+    self.assertIsNone(config.defaults.speculative.strategy)
+    self.assertIsNone(config.models.glm.speculative.strategy)
+    self.assertEqual((config.server.host, config.server.port), ("127.0.0.1", 8000))
+    self.assertIsNone(config.distributed.coordinator_address)
+    self.assertIsNone(config.distributed.num_processes)
+    self.assertIsNone(config.distributed.process_id)
+    self.assertIsNone(config.cache_dir)
+
+  @parameterized.parameters(("glm-4.5-air", "glm4moe"), ("glm-4.7", "glm4moe"),
+                            ("glm-4.7-flash", "deepseek2"), ("glm-5", "glm-dsa"))
+  def test_real_variants_need_a_source(self, variant, arch):
+    config = glm.get_config(variant)
+    self.assertIsNone(config.model.source)
+    self.assertEqual(config.model.arch, arch)
+    self.assertEqual(config.server.model_name, variant)
+    self.assertEqual(config.model.name, "glm")
+    config.model.source = "/models/pkg"     # the field exists and takes a string
+    self.assertEqual(config.model.source, "/models/pkg")
+
+  def test_tiny_is_small(self):
+    config = tiny.get_config()
+    self.assertEqual(config.to_dict(), glm.get_config("tiny").to_dict())
+    self.assertEqual(config.model.source, "")
+    self.assertLess(config.engine.max_len, glm.get_config().engine.max_len)
+    self.assertLessEqual(max(config.engine.prefill_buckets), config.engine.max_len)
+
+  def test_unknown_variant(self):
+    with self.assertRaisesRegex(ValueError, "unknown variant 'glm-9'"):
+      glm.get_config("glm-9")
+
+  def test_locked_rejects_unknown_fields(self):
+    config = glm.get_config()
+    for group, field in ((config.defaults.speculative, "mode"),
+                         (config.defaults.speculative, "spec_default"),
+                         (config.engine, "draft_model")):
+      with self.assertRaises(AttributeError):
+        setattr(group, field, "x")
+
+  def test_placeholders_are_typed(self):
+    config = glm.get_config()
+    with self.assertRaises(TypeError):
+      config.defaults.speculative.strategy = 3
+    with self.assertRaises(TypeError):
+      config.distributed.num_processes = "two"
+
+
+class CommandLineTest(absltest.TestCase):
+
+  def test_override_speculative_strategy(self):
+    config = parse(f"--config={GLM}:tiny", "--config.defaults.speculative.strategy=disabled")
+    self.assertEqual(config.engine.max_len, 64)
+    self.assertEqual(speculative.strategy_from_config(config, config.model.name),
+                     ("disabled", "defaults.speculative.strategy"))
+
+  def test_per_model_override_and_other_groups(self):
+    config = parse(f"--config={GLM}:glm-4.7-flash", "--config.model.source=/models/flash",
+                   "--config.models.glm.speculative.strategy= MTP",
+                   "--config.defaults.speculative.strategy=disabled",
+                   "--config.mesh.stages=3", "--config.mesh.splits=15,31",
+                   "--config.engine.timing=true", "--config.distributed.num_processes=2")
+    self.assertEqual(speculative.strategy_from_config(config, "glm"),
+                     ("native-mtp-n1", "models.glm.speculative.strategy"))
+    self.assertEqual((config.model.source, config.mesh.stages, config.mesh.splits),
+                     ("/models/flash", 3, (15, 31)))
+    self.assertTrue(config.engine.timing)
+    self.assertEqual(config.distributed.num_processes, 2)
+
+  def test_tiny_config_file(self):
+    config = parse(f"--config={TINY}", "--config.engine.slots=1")
+    self.assertEqual((config.engine.slots, config.engine.max_len), (1, 64))
+
+  def test_invalid_strategy_loads_then_fails_validation(self):
+    config = parse(f"--config={GLM}", "--config.defaults.speculative.strategy=ngram")
+    with self.assertRaisesRegex(SpeculativeConfigError, "must be one of"):
+      speculative.strategy_from_config(config, "glm")
+
+  def test_unknown_fields_are_rejected(self):
+    for override in ("--config.defaults.speculative.mode=ngram",
+                     "--config.defaults.speculative.draft_max=4",
+                     "--config.engine.spec_default=ngram",
+                     "--config.models.other.speculative.strategy=auto"):
+      with self.assertRaises((AttributeError, KeyError), msg=override):
+        parse(f"--config={GLM}", override)
+
+  def test_subprocess_command_line(self):
+    """The real `sys.argv` path, as `python -m mtpjax.serve` will see it."""
+    script = (
+        "import json, sys\n"
+        "from absl import app, flags\n"
+        "from ml_collections import config_flags\n"
+        "from mtpjax import speculative\n"
+        "CONFIG = config_flags.DEFINE_config_file('config', None, lock_config=True)\n"
+        "def main(_):\n"
+        "  c = CONFIG.value\n"
+        "  print(json.dumps([list(speculative.strategy_from_config(c, c.model.name)),\n"
+        "                    c.engine.max_len, c.server.port]))\n"
+        "app.run(main)\n")
+    result = subprocess.run(
+        [sys.executable, "-c", script, "--config=configs/glm.py:tiny",
+         "--config.defaults.speculative.strategy=disabled", "--config.server.port=9001"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": REPO})
+    self.assertEqual(result.returncode, 0, msg=result.stderr)
+    self.assertEqual(json.loads(result.stdout.strip().splitlines()[-1]),
+                     [["disabled", "defaults.speculative.strategy"], 64, 9001])
+
+
+if __name__ == "__main__":
+  absltest.main()
