@@ -71,6 +71,15 @@ def stage_gguf_range(cfg: ModelConfig, layout: StageLayout) -> tuple[int, int]:
   return layout.layer_start, end
 
 
+def _describe(path: tuple, cfg: ModelConfig, layout: StageLayout) -> str:
+  """A parameter path with its GGUF block, e.g. `blk.2: ffn/up_exps` (stage indices are local)."""
+  if path[0] == "layers":
+    return f"blk.{layout.layer_start + path[1]}: {'/'.join(map(str, path[2:]))}"
+  if path[0] == "mtp":
+    return f"blk.{cfg.mtp_layer} (NextN): {'/'.join(map(str, path[1:]))}"
+  return "/".join(map(str, path))
+
+
 def load_leaves(source, cfg: ModelConfig, layout: StageLayout, *, dtype="float32",
                 sharding_fn: ShardingFn | None = None, keep: Callable[[tuple], bool] | None = None,
                 progress: Callable[[int], None] | None = None):
@@ -84,8 +93,15 @@ def load_leaves(source, cfg: ModelConfig, layout: StageLayout, *, dtype="float32
   filled: dict[tuple, jax.Array] = {}
   start, end = stage_gguf_range(cfg, layout)
   extra = ["token_embd.weight"] if (("embed",) in expected and not layout.embeddings) else []
-  for info, raw in source.iter_stage_tensors(start, end, embeddings=layout.embeddings,
-                                              output=layout.output, extra=extra):
+  if start < end:
+    stream = source.iter_stage_tensors(start, end, embeddings=layout.embeddings,
+                                       output=layout.output, extra=extra)
+  else:
+    # A boundary-only part (embeddings, output head) has no layer range, and the reader only
+    # streams non-empty stage ranges: fetch its few tensors by name instead.
+    stream = ((source.tensors[n], source.raw(n)) for n in source.tensors
+              if names.targets_for(n, cfg, layout))
+  for info, raw in stream:
     targets = [t for t in names.targets_for(info.name, cfg, layout)
                if keep is None or keep(t.path)]
     if not targets:
@@ -108,7 +124,7 @@ def load_leaves(source, cfg: ModelConfig, layout: StageLayout, *, dtype="float32
                              else jnp.asarray(part))
     if progress is not None:
       progress(info.n_bytes)
-  missing = sorted("/".join(map(str, p)) for p in expected if p not in filled)
+  missing = sorted(_describe(p, cfg, layout) for p in expected if p not in filled)
   if missing:
     raise errors.ConversionError(
         f"the source lacks tensors for {len(missing)} parameters: {', '.join(missing[:8])}",

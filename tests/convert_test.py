@@ -1,0 +1,254 @@
+"""GGUF / layer package -> orbax checkpoint (`mtpjax.convert`), restored onto a sharded mesh.
+
+The references are the model loaded straight from the GGUF (same dequantized weights, so
+restored arrays and logits must agree), `param_sharding_fn` for placement, and the file system
+for the all-or-nothing rule (no record, no temp folder after a failure).
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import gguf
+import jax
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+from absl.testing import absltest
+
+import mtpjax
+from mtpjax import checkpoint, errors, loading, sharding
+from mtpjax.convert import convert
+from mtpjax.package.writer import split_gguf
+from mtpjax.testing.tiny_glm import TinyGlmSpec, build_tiny_glm_tensors, write_tiny_glm_gguf
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# Every tensor-split dimension (heads x head_dim, experts, vocab, FFN widths) divides by 4.
+SPEC = TinyGlmSpec(vocab_size=320, hidden=32, n_heads=4, n_kv_heads=2, head_dim=16,
+                   n_trunk_layers=3, leading_dense=1, ffn=64, n_experts=8, n_experts_used=2,
+                   expert_ffn=16, rope_dims=8, nextn_embed=True, seed=5)
+IDS = np.random.default_rng(11).integers(0, SPEC.vocab_size, size=13)
+
+_tmp: tempfile.TemporaryDirectory
+WORK: pathlib.Path
+SRC: pathlib.Path        # the generated GGUF
+CKPT: pathlib.Path       # its float32 conversion, shared by the tests below
+
+
+def setUpModule():
+  global _tmp, WORK, SRC, CKPT
+  _tmp = tempfile.TemporaryDirectory()
+  WORK = pathlib.Path(_tmp.name)
+  SRC = WORK / "tiny.gguf"
+  write_tiny_glm_gguf(SRC, SPEC)
+  CKPT = convert(SRC, WORK / "ckpt", show_progress=False)
+
+
+def tearDownModule():
+  _tmp.cleanup()
+
+
+def _copy_gguf(src: pathlib.Path, dst: pathlib.Path, *, drop=(), replace=None) -> None:
+  """Rewrite a GGUF with gguf-py, leaving out `drop` tensors and swapping `replace` arrays."""
+  reader = gguf.GGUFReader(str(src))
+  writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+  for name, field in reader.fields.items():
+    if name.startswith("GGUF.") or name == "general.architecture":
+      continue
+    sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+    writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
+  for t in reader.tensors:
+    if t.name in drop:
+      continue
+    if replace and t.name in replace:
+      writer.add_tensor(t.name, replace[t.name])
+    else:
+      writer.add_tensor(t.name, np.asarray(t.data), raw_shape=t.data.shape,
+                        raw_dtype=t.tensor_type)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+
+def _leftovers(out: pathlib.Path) -> list[str]:
+  """Anything next to `out` that a conversion into `out` may have left behind."""
+  return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}"))
+
+
+# Leaf names kept in float32 whatever the parameter dtype: norm weights, biases, the router.
+_F32_LEAVES = {"weight", "bq", "bk", "bv", "router", "router_bias"}
+
+
+def _leaves(model, *, with_mtp=True) -> dict:
+  return loading.flat_paths(model.weights(with_mtp=with_mtp)[1])
+
+
+class CliTest(absltest.TestCase):
+
+  def test_cli_converts_then_refuses_a_non_empty_output(self):
+    out = WORK / "cli-out"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    run = lambda *args: subprocess.run(
+        [sys.executable, "-m", "mtpjax.convert", str(SRC), str(out), *args], cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=300)
+    first = run()
+    self.assertEqual(first.returncode, 0, first.stderr)
+    self.assertTrue(checkpoint.is_checkpoint(out))
+    record = checkpoint.read_record(out)
+    self.assertEqual(record["dtype"], "float32")
+    self.assertEqual(record["source"]["kind"], "gguf")
+    self.assertEqual(record["model_config"]["n_layers"], SPEC.n_trunk_layers)
+    self.assertEqual(sorted(record["parts"]),
+                     ["embed", "layer-000", "layer-001", "layer-002", "mtp", "output"])
+    self.assertEqual(record["metadata"]["glm4moe.embedding_length"], SPEC.hidden)
+    self.assertEqual(_leftovers(out), [])
+
+    before = (out / checkpoint.RECORD_NAME).read_bytes()
+    second = run()
+    self.assertNotEqual(second.returncode, 0)
+    self.assertIn("not empty", second.stderr)
+    self.assertIn("--overwrite", second.stderr)
+    self.assertIn(str(out), second.stderr)
+    self.assertNotIn("Traceback", second.stderr)
+    self.assertEqual((out / checkpoint.RECORD_NAME).read_bytes(), before)
+
+
+class FailureTest(absltest.TestCase):
+  """A conversion that fails leaves nothing that looks like a checkpoint."""
+
+  def _assert_nothing_left(self, out: pathlib.Path):
+    self.assertFalse(checkpoint.is_checkpoint(out))
+    self.assertFalse(out.exists())
+    self.assertEqual(_leftovers(out), [])
+
+  def test_missing_tensor_in_a_late_layer(self):
+    bad = WORK / "missing.gguf"
+    _copy_gguf(SRC, bad, drop={"blk.2.ffn_up_exps.weight"})
+    out = WORK / "missing-out"
+    # Earlier parts (embed, layer-000, layer-001) are written before layer 2 fails.
+    with self.assertRaisesRegex(errors.ConversionError, r"blk\.2: ffn/up_exps"):
+      convert(bad, out, show_progress=False)
+    self._assert_nothing_left(out)
+
+  def test_corrupt_tensor_shape_in_a_late_layer(self):
+    bad = WORK / "corrupt.gguf"
+    name = "blk.2.attn_q.weight"
+    wrong = np.zeros((SPEC.n_heads * SPEC.head_dim, SPEC.hidden // 2), np.float32)
+    _copy_gguf(SRC, bad, replace={name: wrong})
+    out = WORK / "corrupt-out"
+    with self.assertRaises(errors.ConversionError) as ctx:
+      convert(bad, out, show_progress=False)
+    self.assertIn(name, str(ctx.exception))
+    self._assert_nothing_left(out)
+
+  def test_truncated_file(self):
+    bad = WORK / "truncated.gguf"
+    data = SRC.read_bytes()
+    bad.write_bytes(data[:len(data) - 4096])
+    out = WORK / "truncated-out"
+    with self.assertRaises(errors.MtpjaxError) as ctx:
+      convert(bad, out, show_progress=False)
+    self.assertIn(str(bad), str(ctx.exception))
+    self._assert_nothing_left(out)
+
+  def test_overwrite_replaces_an_existing_output(self):
+    out = WORK / "overwrite-out"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    with self.assertRaises(errors.CheckpointError):
+      convert(SRC, out, show_progress=False)
+    self.assertTrue((out / "stale.txt").exists())
+    convert(SRC, out, overwrite=True, show_progress=False)
+    self.assertTrue(checkpoint.is_checkpoint(out))
+    self.assertFalse((out / "stale.txt").exists())
+    self.assertEqual(_leftovers(out), [])
+
+
+class ShardedRestoreTest(absltest.TestCase):
+  """Checkpoint restored on a 1 x 4 mesh vs the GGUF loaded on one device."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.mesh = sharding.make_mesh(stages=1, tensor=4)
+    cls.direct = mtpjax.load(SRC)
+    cls.restored = mtpjax.load(CKPT, mesh=cls.mesh)
+
+  def test_mesh_uses_four_devices(self):
+    self.assertEqual(len(jax.devices()), 4)
+    self.assertEqual(dict(self.mesh.shape), {sharding.STAGE: 1, sharding.TENSOR: 4})
+
+  def test_same_logits_and_mtp_logits(self):
+    want_mtp, got_mtp = self.direct.mtp_logits(IDS), self.restored.mtp_logits(IDS)
+    np.testing.assert_allclose(got_mtp, want_mtp, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(self.restored.logits(IDS), self.direct.logits(IDS),
+                               atol=1e-5, rtol=0)
+
+  def test_restored_arrays_equal_the_gguf_weights(self):
+    want, got = _leaves(self.direct), _leaves(self.restored)
+    self.assertEqual(sorted(got), sorted(want))
+    for path, array in got.items():
+      np.testing.assert_array_equal(np.asarray(array), np.asarray(want[path]), err_msg=str(path))
+
+  def test_restored_arrays_carry_the_requested_shardings(self):
+    fn = sharding.param_sharding_fn(self.mesh)
+    leaves = _leaves(self.restored)
+    for path, array in leaves.items():
+      self.assertEqual(array.sharding, fn(path, array.shape), msg=str(path))
+    # The roles the rules name are all there, and really split four ways.
+    for path, dim in ((("layers", 0, "attn", "wq"), 0), (("layers", 1, "ffn", "gate_exps"), 0),
+                      (("embed",), 0), (("mtp", "embed"), 0), (("layers", 2, "attn", "wo"), 1),
+                      (("mtp", "block", "ffn", "down_exps"), 0)):
+      array = leaves[path]
+      self.assertLen(array.sharding.device_set, 4, msg=str(path))
+      shard_shapes = {s.data.shape[dim] for s in array.addressable_shards}
+      self.assertEqual(shard_shapes, {array.shape[dim] // 4}, msg=str(path))
+    # Norms are replicated: every device holds the whole vector.
+    norm = leaves[("output_norm", "weight")]
+    self.assertTrue(norm.sharding.is_fully_replicated)
+
+
+class PackageAndDtypeTest(absltest.TestCase):
+
+  def test_package_converts_to_the_same_checkpoint(self):
+    package = split_gguf(SRC, WORK / "package", model_id="test/tiny-glm")
+    out = convert(package, WORK / "package-ckpt", show_progress=False)
+    record = checkpoint.read_record(out)
+    self.assertEqual(record["source"]["kind"], "package")
+    self.assertIsNotNone(record["source"]["manifest_sha256"])
+    self.assertEqual(record["model_config"], checkpoint.read_record(CKPT)["model_config"])
+    from_package, from_gguf = mtpjax.load(out), mtpjax.load(CKPT)
+    want, got = _leaves(from_gguf), _leaves(from_package)
+    self.assertEqual(sorted(got), sorted(want))
+    for path, array in got.items():
+      np.testing.assert_array_equal(np.asarray(array), np.asarray(want[path]), err_msg=str(path))
+
+  def test_bfloat16_conversion_restores_bfloat16(self):
+    out = convert(SRC, WORK / "bf16-ckpt", dtype="bfloat16", show_progress=False)
+    self.assertEqual(checkpoint.read_record(out)["dtype"], "bfloat16")
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    # Stored as bfloat16 on disk, not just cast on restore; norms, biases and the router stay
+    # float32 (MODEL.md §4 dtype policy).
+    meta = ocp.StandardCheckpointer().metadata(out / "parts" / "layer-001")
+    stored = {key: np.dtype(m.dtype) for key, m in getattr(meta, "item_metadata", meta).items()}
+    self.assertEqual({k for k, d in stored.items() if d != bf16},
+                     {k for k in stored if k.rsplit("/", 1)[-1] in _F32_LEAVES})
+    self.assertEqual(stored["layers/0/ffn/gate_exps"], bf16)
+    model = mtpjax.load(out, dtype="bfloat16")
+    master = build_tiny_glm_tensors(SPEC)
+    leaves = _leaves(model)
+    for path, array in leaves.items():
+      want = np.float32 if path[-1] in _F32_LEAVES else bf16
+      self.assertEqual(np.dtype(array.dtype), want, msg=str(path))
+    for path, name in ((("layers", 1, "ffn", "gate_exps"), "blk.1.ffn_gate_exps.weight"),
+                       (("embed",), "token_embd.weight"),
+                       (("mtp", "eh_proj"), "blk.3.nextn.eh_proj.weight")):
+      np.testing.assert_array_equal(np.asarray(leaves[path]),
+                                    master[name].astype(ml_dtypes.bfloat16), err_msg=str(path))
+
+
+if __name__ == "__main__":
+  absltest.main()
