@@ -1,0 +1,97 @@
+"""Preflight issues: the one record shape that manifest validation, the reader and preflight share.
+
+An issue is a plain dict `{severity, code, message, path?, remediation}` (LAYER_PACKAGES.md §7),
+so preflight can print it as JSON and `ManifestError.issues` can carry it unchanged.
+"""
+
+from __future__ import annotations
+
+ERROR = "error"
+WARNING = "warning"
+
+_RESPLIT = "re-split the source GGUF with `python -m mtpjax.package.split`"
+
+# One remedy per code, so every producer of an issue gives the same advice.
+REMEDIES: dict[str, str] = {
+    "missing_manifest": "point at a layer-package directory that contains model-package.json, "
+                        "or create one with `python -m mtpjax.package.split`",
+    "invalid_manifest_json": "repair model-package.json (it must be a UTF-8 JSON object) or "
+                             + _RESPLIT,
+    "unsupported_schema_version": "mtpjax reads manifest schema_version 1; " + _RESPLIT,
+    "invalid_format": 'set "format": "layer-package" or ' + _RESPLIT,
+    "empty_model_id": 'set "model_id" to a model coordinate such as "org/repo:Q4_K_M"',
+    "invalid_layer_count": "set layer_count to max(block index)+1 of the source (NextN block "
+                           "included)",
+    "invalid_activation_width": "set activation_width to the source's {arch}.embedding_length",
+    "missing_activation_width": "add activation_width ({arch}.embedding_length); until then "
+                                "readers infer it from layer 0's attn_norm.weight",
+    "empty_source_model_path": "record the source GGUF path in source_model.path, or " + _RESPLIT,
+    "invalid_source_model_sha256": "record the source GGUF's 64-hex SHA-256 in source_model.sha256",
+    "empty_source_model_identity": "remove blank source_model identity fields or fill them in",
+    "invalid_source_model_file": "give every source_model.files[] entry a non-blank path, a "
+                                 "non-negative size_bytes and a 64-hex sha256",
+    "missing_skippy_abi_version": 'set "skippy_abi_version" (our writer stamps "0.1.0")',
+    "incompatible_skippy_abi_version": "upgrade mtpjax or " + _RESPLIT,
+    "empty_projector_kind": 'set the projector "kind" to "mmproj"',
+    "unsupported_projector_kind": 'mtpjax only loads projectors of kind "mmproj"; remove the '
+                                  "others",
+    "invalid_generation": "make generation.speculative_decoding an object, or remove the block",
+    "empty_speculative_default": "set speculative_decoding.default to one of the strategy ids",
+    "missing_speculative_default_strategy": "make speculative_decoding.default a key of strategies",
+    "empty_speculative_strategy_name": "give every speculative strategy a non-empty id",
+    "empty_speculative_strategy_type": 'give every speculative strategy a "type" such as '
+                                       '"native-mtp"',
+    "missing_speculative_proposer": "add the named proposer to speculative_decoding.proposers",
+    "unsupported_speculative_strategy_type": "nothing to do unless you want MTP: mtpjax only runs "
+                                             "native-mtp strategies and ignores this one",
+    "unsupported_native_mtp_prediction_depth": "mtpjax drafts one token: set prediction_depth 1",
+    "missing_native_mtp_layers": "list the NextN block's package layer index in layer_indices",
+    "native_mtp_layer_out_of_range": "layer_indices must name package layers below layer_count; "
+                                     + _RESPLIT,
+    "empty_window_policy_default": 'set window_policy.default to "fixed" or "adaptive"',
+    "invalid_window_policy_zero": "window_policy windows must be positive integers (native MTP: "
+                                  "1/1/1)",
+    "invalid_window_policy_bounds": "window_policy.min_window must not exceed max_window",
+    "invalid_window_policy_initial": "window_policy.initial_window must lie in [min_window, "
+                                     "max_window]",
+    "layer_index_out_of_range": "layers[].layer_index must be in 0..layer_count-1; " + _RESPLIT,
+    "missing_layer": "add the missing layer artifact, or " + _RESPLIT,
+    "duplicate_layer": "keep exactly one layers[] entry per layer index; " + _RESPLIT,
+    "unsafe_artifact_path": "artifact paths must be relative, use '/', have no '.'/'..' components "
+                            "and must not leave the package through a symlink",
+    "artifact_not_file": "replace the path with a regular file (re-download the package)",
+    "missing_artifact": "re-download the package or " + _RESPLIT,
+    "artifact_size_mismatch": "the file is truncated or replaced: re-download it or " + _RESPLIT,
+    "empty_artifact": "artifact_bytes must be the (positive) file size; " + _RESPLIT,
+    "invalid_tensor_bytes": "tensor_count/tensor_bytes must describe the fragment; " + _RESPLIT,
+    "invalid_artifact_sha256": "record the artifact's 64-hex SHA-256 in the manifest",
+    "artifact_sha256_mismatch": "the file is corrupt: re-download it or " + _RESPLIT,
+    "artifact_sha256_unreadable": "make the file readable (permissions, I/O errors) and retry",
+    "invalid_stage_count": "pass --stages greater than zero",
+    "stage_count_exceeds_layer_count": "use at most layer_count stages",
+}
+
+
+def issue(code: str, message: str, *, path: str | None = None, severity: str = ERROR,
+          remediation: str | None = None) -> dict:
+  """Builds one issue dict; the remedy defaults to the code's entry in REMEDIES."""
+  record = {"severity": severity, "code": code, "message": message}
+  if path is not None:
+    record["path"] = str(path)
+  record["remediation"] = remediation if remediation is not None else REMEDIES.get(code, _RESPLIT)
+  return record
+
+
+def errors_of(issues: list[dict]) -> list[dict]:
+  """The issues that make a package invalid (warnings do not)."""
+  return [item for item in issues if item["severity"] == ERROR]
+
+
+def is_int(value: object) -> bool:
+  """A JSON integer (Python's bool is an int, but `true` is not a count)."""
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_blank(value: object) -> bool:
+  """Missing, not a string, or only whitespace."""
+  return not isinstance(value, str) or not value.strip()

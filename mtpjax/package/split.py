@@ -1,0 +1,43 @@
+"""GGUF -> layer package: `python -m mtpjax.package.split SRC.gguf OUT_DIR --model-id ORG/REPO:Q`.
+
+A thin command over `writer.split_gguf`; a refused input prints one error line and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mtpjax import errors
+from mtpjax.package import manifest as manifest_lib, writer
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m mtpjax.package.split",
+                                   description="Split a GGUF (or any shard of a split GGUF) into "
+                                               "a v1 layer package.")
+  parser.add_argument("src", help="the .gguf file, or any shard NAME-0000k-of-0000n.gguf")
+  parser.add_argument("out_dir", help="the package folder to create")
+  parser.add_argument("--model-id", "--model_id", dest="model_id", default=None,
+                      help="model coordinate ORG/REPO[:QUANT] (required for a local file)")
+  parser.add_argument("--revision", default=None, help="the repository revision of the source")
+  parser.add_argument("--file", "--primary-file", dest="primary_file", default=None,
+                      help="the source's path inside its repository (default: its file name)")
+  parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+  args = parser.parse_args(argv)
+  try:
+    out = writer.split_gguf(args.src, args.out_dir, model_id=args.model_id,
+                            revision=args.revision, overwrite=args.overwrite,
+                            primary_file=args.primary_file)
+  except errors.MtpjaxError as error:
+    print(f"error: {error}", file=sys.stderr)
+    return 1
+  manifest, digest = manifest_lib.read_manifest(out)
+  print(json.dumps({"package_path": str(out), "model_id": manifest.model_id,
+                    "layer_count": manifest.layer_count, "manifest_sha256": digest}))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
