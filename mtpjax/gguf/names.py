@@ -1,4 +1,4 @@
-"""The GGUF tensor name -> model parameter path map (llama.cpp `glm4moe` names, MODEL.md §4).
+"""GGUF tensor name -> model parameter path (llama.cpp `glm4moe`, `deepseek2`, `glm-dsa` names).
 
 Paths index the NNX state of `mtpjax.models.glm4_moe.GlmModel` for one `StageLayout`. A fused
 `attn_qkv` tensor maps to three targets, each a row slice of the source (rows ordered q, k, v).
@@ -24,6 +24,15 @@ _BLOCK = {
     "attn_q_norm.weight": ("attn", "q_norm", "weight"),
     "attn_k_norm.weight": ("attn", "k_norm", "weight"),
     "post_attention_norm.weight": ("ffn_norm", "weight"),
+    "ffn_norm.weight": ("ffn_norm", "weight"),          # deepseek2 / glm-dsa name
+    # MLA (deepseek2, glm-dsa; MODEL.md §8)
+    "attn_q_a.weight": ("attn", "wq_a"),
+    "attn_q_a_norm.weight": ("attn", "q_a_norm", "weight"),
+    "attn_q_b.weight": ("attn", "wq_b"),
+    "attn_kv_a_mqa.weight": ("attn", "wkv_a"),
+    "attn_kv_a_norm.weight": ("attn", "kv_a_norm", "weight"),
+    "attn_k_b.weight": ("attn", "wk_b"),
+    "attn_v_b.weight": ("attn", "wv_b"),
     "ffn_gate.weight": ("ffn", "gate"),
     "ffn_up.weight": ("ffn", "up"),
     "ffn_down.weight": ("ffn", "down"),
@@ -35,6 +44,15 @@ _BLOCK = {
     "ffn_gate_shexp.weight": ("ffn", "shared", "gate"),
     "ffn_up_shexp.weight": ("ffn", "shared", "up"),
     "ffn_down_shexp.weight": ("ffn", "shared", "down"),
+}
+
+# glm-dsa lightning indexer (MODEL.md §9); only layers that run their own indexer load these.
+_INDEXER = {
+    "indexer.attn_q_b.weight": ("attn", "indexer", "wq_b"),
+    "indexer.attn_k.weight": ("attn", "indexer", "wk"),
+    "indexer.k_norm.weight": ("attn", "indexer", "k_norm_weight"),
+    "indexer.k_norm.bias": ("attn", "indexer", "k_norm_bias"),
+    "indexer.proj.weight": ("attn", "indexer", "proj"),
 }
 
 _NEXTN = {
@@ -56,7 +74,9 @@ class Target:
   rows: tuple[int, int] | None = None
 
 
-def _block_targets(prefix: tuple, suffix: str, cfg: ModelConfig) -> list[Target]:
+def _block_targets(prefix: tuple, suffix: str, cfg: ModelConfig, layer: int) -> list[Target]:
+  if suffix in _INDEXER:
+    return [Target(prefix + _INDEXER[suffix])] if cfg.layer_has_indexer(layer) else []
   if suffix in ("attn_qkv.weight", "attn_qkv.bias"):
     kind = suffix.split(".")[1]
     q = cfg.n_heads * cfg.head_dim
@@ -88,7 +108,7 @@ def targets_for(name: str, cfg: ModelConfig, layout: StageLayout) -> list[Target
     if suffix.startswith("nextn."):
       path = _NEXTN.get(suffix[len("nextn."):])
       return [Target(path)] if path else []
-    return _block_targets(("mtp", "block"), suffix, cfg)
+    return _block_targets(("mtp", "block"), suffix, cfg, layer)
   if layout.layer_start <= layer < layout.layer_end:
-    return _block_targets(("layers", layer - layout.layer_start), suffix, cfg)
+    return _block_targets(("layers", layer - layout.layer_start), suffix, cfg, layer)
   return []

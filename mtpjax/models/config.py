@@ -7,12 +7,16 @@ from which tensors exist, and so do we (../shared/design/MODEL.md §2).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from typing import Any, Iterable, Mapping
 
 from mtpjax import errors
 
-SUPPORTED_ARCHS = ("glm4moe",)
+SUPPORTED_ARCHS = ("glm4moe", "deepseek2", "glm-dsa")
+MLA_ARCHS = ("deepseek2", "glm-dsa")   # multi-head latent attention (MODEL.md §8-§9)
+
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +52,28 @@ class ModelConfig:
   mtp_embed: bool               # blk.L.nextn.embed_tokens present
   mtp_head: bool                # blk.L.nextn.shared_head_head present
   mtp_head_norm: bool           # blk.L.nextn.shared_head_norm present
+  # MLA (deepseek2, glm-dsa); head_dim = qk_nope + qk_rope and value_dim = v_head there.
+  q_lora_rank: int = 0          # 0: plain attn_q
+  kv_lora_rank: int = 0
+  # glm-dsa lightning indexer
+  indexer_heads: int = 0
+  indexer_dim: int = 0
+  indexer_topk: int = 0
+  indexer_full: tuple[bool, ...] = ()   # per trunk layer: runs its own indexer (else reuses)
+
+  @property
+  def is_mla(self) -> bool:
+    return self.arch in MLA_ARCHS
+
+  @property
+  def has_indexer(self) -> bool:
+    return self.indexer_heads > 0
+
+  def layer_has_indexer(self, layer: int) -> bool:
+    """Trunk layers marked full run an indexer; the NextN block attends densely (no indexer)."""
+    if not self.has_indexer or layer >= self.n_layers:
+      return False
+    return not self.indexer_full or self.indexer_full[layer]
 
   @property
   def mtp_layer(self) -> int:
@@ -66,7 +92,10 @@ class ModelConfig:
 
   @classmethod
   def from_dict(cls, data: Mapping[str, Any]) -> "ModelConfig":
-    return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+    values = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
+    if "indexer_full" in values:    # JSON turns the tuple into a list; keep the config hashable
+      values["indexer_full"] = tuple(values["indexer_full"])
+    return cls(**values)
 
 
 _MTP_REQUIRED = ("eh_proj.weight", "enorm.weight", "hnorm.weight")
@@ -92,7 +121,7 @@ def config_from_gguf(metadata: Mapping[str, Any], tensor_names: Iterable[str], *
     raise errors.UnsupportedArchitectureError(
         f"unsupported architecture {arch!r}; mtpjax supports {', '.join(SUPPORTED_ARCHS)}",
         path=source, field="general.architecture",
-        remedy="use a GLM-4.x MoE GGUF (llama.cpp arch glm4moe)")
+        remedy="use a GLM GGUF (llama.cpp arch glm4moe, deepseek2 or glm-dsa)")
   names = set(tensor_names)
   get = lambda key, default=dataclasses.MISSING: _get(metadata, arch, key, default, source=source)
 
@@ -113,7 +142,12 @@ def config_from_gguf(metadata: Mapping[str, Any], tensor_names: Iterable[str], *
     raise errors.ConversionError(
         "cannot determine the vocabulary size", path=source, field="tokenizer.ggml.tokens",
         remedy="use a GGUF that carries its tokenizer metadata")
-  gating_id = int(get("expert_gating_func", 2))
+  if arch in MLA_ARCHS and f"{arch}.expert_gating_func" not in metadata:
+    # llama.cpp falls back to softmax for deepseek2-style files; a GLM file without the key
+    # was converted badly, so say so (MODEL.md §8).
+    _log.warning("%s: %s.expert_gating_func is absent; using softmax routing as llama.cpp "
+                 "does (re-convert the model if it is a GLM sigmoid-router model)", source, arch)
+  gating_id = int(get("expert_gating_func", 1 if arch in MLA_ARCHS else 2))
   if gating_id not in (1, 2):
     raise errors.ConversionError(
         f"unsupported expert_gating_func {gating_id}", path=source,
@@ -126,6 +160,10 @@ def config_from_gguf(metadata: Mapping[str, Any], tensor_names: Iterable[str], *
     raise errors.ConversionError(
         f"{nextn} NextN blocks declared; mtpjax supports exactly one", path=source,
         field=f"{arch}.nextn_predict_layers", remedy="use a GLM model with one MTP module")
+
+  mla = _mla_fields(metadata, arch, get, source) if arch in MLA_ARCHS else {}
+  if mla:
+    head_dim, value_dim = mla.pop("head_dim"), mla.pop("value_dim")
 
   return ModelConfig(
       arch=arch,
@@ -159,4 +197,46 @@ def config_from_gguf(metadata: Mapping[str, Any], tensor_names: Iterable[str], *
       mtp_embed=mtp_prefix + "embed_tokens.weight" in names,
       mtp_head=mtp_prefix + "shared_head_head.weight" in names,
       mtp_head_norm=mtp_prefix + "shared_head_norm.weight" in names,
+      **mla,
   )
+
+
+def _mla_fields(metadata: Mapping[str, Any], arch: str, get, source: str) -> dict[str, Any]:
+  """MLA and indexer fields: the converter stores MLA as MQA over the latent (MODEL.md §8),
+  so the per-head sizes come from the `*_mla` keys, not from key_length/value_length."""
+  scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+  if scaling not in ("none", None) or float(get("rope.scaling.factor", 1.0)) not in (0.0, 1.0):
+    raise errors.UnsupportedArchitectureError(
+        f"RoPE scaling {scaling!r} is not implemented for MLA models", path=source,
+        field=f"{arch}.rope.scaling.type", remedy="use a GGUF without rope.scaling (YaRN) keys")
+  kv_lora = int(get("attention.kv_lora_rank"))
+  fields = dict(
+      head_dim=int(get("attention.key_length_mla")),
+      value_dim=int(get("attention.value_length_mla")),
+      q_lora_rank=int(get("attention.q_lora_rank", 0)),
+      kv_lora_rank=kv_lora,
+  )
+  if arch == "glm-dsa":
+    if fields["q_lora_rank"] == 0:
+      raise errors.ConversionError(
+          "a glm-dsa model needs attention.q_lora_rank > 0: its indexer reads the q latent",
+          path=source, field=f"{arch}.attention.q_lora_rank",
+          remedy="re-convert the model with a current llama.cpp convert_hf_to_gguf.py")
+    types = get("attention.indexer.types", None)
+    fields.update(
+        indexer_heads=int(get("attention.indexer.head_count")),
+        indexer_dim=int(get("attention.indexer.key_length")),
+        indexer_topk=int(get("attention.indexer.top_k")),
+        indexer_full=_indexer_types(types, int(get("block_count")) - int(get(
+            "nextn_predict_layers", 0)), int(get("context_length", 4096))))
+  return fields
+
+
+def _indexer_types(types, n_layers: int, context_length: int) -> tuple[bool, ...]:
+  """Per-layer "full" flags; without the key, llama.cpp assumes GLM-5/5.1 (all full) below a
+  1M-token context and GLM-5.2's pattern (layers 0, 1, then every 4th from 2) above it."""
+  if types is not None:
+    return tuple(bool(t) for t in types)
+  if context_length < 1048576:
+    return ()
+  return tuple(i < 2 or (i - 2) % 4 == 0 for i in range(n_layers))

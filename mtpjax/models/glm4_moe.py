@@ -15,6 +15,7 @@ from flax import nnx
 
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.layers import DecoderBlock, RMSNorm, _param, linear, rms_norm
+from mtpjax.models.mla import mla_cache_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +74,9 @@ class GlmModel(nnx.Module):
 
   def run_layers(self, x: jax.Array, positions: jax.Array, kv: list) -> tuple[jax.Array, list]:
     """Run this instance's trunk layers; `kv` holds one (k, v) cache pair per owned layer."""
-    new_kv = []
+    new_kv, selection = [], None
     for layer, cache in zip(self.layers, kv):
-      x, cache = layer(x, positions, cache)
+      x, cache, selection = layer(x, positions, cache, selection)
       new_kv.append(cache)
     return x, new_kv
 
@@ -103,7 +104,7 @@ class GlmModel(nnx.Module):
     e = jnp.take(table[...], tokens, axis=0).astype(self.dtype)
     u = jnp.concatenate([mtp.enorm(e), mtp.hnorm(prev_hidden.astype(self.dtype))], axis=-1)
     u = linear(u, mtp.eh_proj[...])
-    y, mtp_kv = mtp.block(u, positions, mtp_kv)
+    y, mtp_kv, _ = mtp.block(u, positions, mtp_kv)
     norm = mtp.head_norm if mtp.head_norm is not None else self.output_norm
     return norm(y), mtp_kv
 
@@ -115,7 +116,12 @@ class GlmModel(nnx.Module):
 
 
 def kv_cache_shapes(cfg: ModelConfig, n_layers: int, batch: int, max_len: int) -> list:
-  """Shapes of the per-layer (k, v) caches: [B, S, Hkv, head_dim] and [B, S, Hkv, value_dim]."""
+  """Shapes of the per-layer (k, v) caches: [B, S, Hkv, head_dim] and [B, S, Hkv, value_dim].
+
+  MLA archs cache [B, S, 1, kv_lora + qk_rope] plus the indexer keys (zero-size without one).
+  """
+  if cfg.is_mla:
+    return [mla_cache_shapes(cfg, batch, max_len) for _ in range(n_layers)]
   return [((batch, max_len, cfg.n_kv_heads, cfg.head_dim),
            (batch, max_len, cfg.n_kv_heads, cfg.value_dim)) for _ in range(n_layers)]
 

@@ -56,6 +56,22 @@ def rope_neox(x: jax.Array, positions: jax.Array, rope_dims: int, theta: float) 
   return rotated.astype(x.dtype)
 
 
+def rope_interleaved(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """RoPE over adjacent pairs (2j, 2j+1) of the whole last axis (llama.cpp NORM, GPT-J).
+
+  x: [B, T, heads, R]; positions: [B, T]. Pair j turns by pos * theta^(-2j/R).
+  """
+  rope_dims = x.shape[-1]
+  inv_freq = theta ** (-jnp.arange(rope_dims // 2, dtype=jnp.float32) * 2.0 / rope_dims)
+  angle = positions.astype(jnp.float32)[..., None] * inv_freq
+  cos = jnp.cos(angle)[:, :, None, :]
+  sin = jnp.sin(angle)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  even, odd = x32[..., 0::2], x32[..., 1::2]
+  rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+  return rotated.reshape(x.shape).astype(x.dtype)
+
+
 def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
   """Write `rows` [B, T, ...] into `cache` [B, S, ...] at per-slot row `start` [B]."""
   def one(c, r, s):
@@ -203,16 +219,30 @@ class MoE(nnx.Module):
 
 
 class DecoderBlock(nnx.Module):
-  """Pre-norm attention + (dense | MoE) FFN; GLM names its pre-FFN norm post_attention_norm."""
+  """Pre-norm attention + (dense | MoE) FFN.
+
+  glm4moe names the pre-FFN norm `post_attention_norm`, deepseek2/glm-dsa `ffn_norm`; both load
+  into `ffn_norm` (gguf/names.py). MLA archs use `mla.MlaAttention`, which also passes the
+  glm-dsa row selection on to a layer that reuses it.
+  """
 
   def __init__(self, cfg: ModelConfig, layer: int, dtype):
     self.attn_norm = RMSNorm(cfg.hidden, cfg.eps, dtype)
-    self.attn = Attention(cfg, dtype)
+    if cfg.is_mla:
+      from mtpjax.models.mla import MlaAttention   # mla.py builds on this module
+      self.attn = MlaAttention(cfg, layer, dtype)
+    else:
+      self.attn = Attention(cfg, dtype)
+    self.mla = cfg.is_mla
     self.ffn_norm = RMSNorm(cfg.hidden, cfg.eps, dtype)
     self.ffn = MoE(cfg, dtype) if cfg.is_moe_layer(layer) else DenseMLP(cfg.hidden, cfg.ffn, dtype)
 
-  def __call__(self, x, positions, cache):
-    attn_out, cache = self.attn(self.attn_norm(x), positions, cache)
+  def __call__(self, x, positions, cache, selection=None):
+    """Returns (x, cache, selection); selection is the glm-dsa sparse row mask or None."""
+    if self.mla:
+      attn_out, cache, selection = self.attn(self.attn_norm(x), positions, cache, selection)
+    else:
+      attn_out, cache = self.attn(self.attn_norm(x), positions, cache)
     x = x + attn_out
     x = x + self.ffn(self.ffn_norm(x))
-    return x, cache
+    return x, cache, selection

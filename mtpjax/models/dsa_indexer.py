@@ -1,0 +1,88 @@
+"""The glm-dsa lightning indexer: which cached rows each query attends to (MODEL.md §9).
+
+Math as in HF transformers' `glm_moe_dsa` and llama.cpp `glm-dsa` (DeepSeek-V3.2 DSA without
+the FP8/Hadamard optimisations, which preserve dot products):
+  q = wq_b(q_resid) -> [H_i, d_i], RoPE on the first qk_rope dims (layout [rope, rest]); as in
+    the main attention, GGUF weights take adjacent-pair RoPE (llama.cpp NORM; HF's NeoX order
+    is permuted away by the converter);
+  k = LayerNorm(wk(x)) (with bias, eps 1e-6) -> [d_i], the same RoPE; one key per token;
+  w = proj(x) * H_i^-1/2;  score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s] * d_i^-1/2);
+  keep the top `index_topk` visible rows (all of them when fewer are visible).
+The indexer keys are cached beside the MLA latent, one [d_i] row per token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtpjax.models.config import ModelConfig
+from mtpjax.models.layers import _param, linear, rope_interleaved, write_rows
+
+K_NORM_EPS = 1e-6   # HF's indexer LayerNorm eps; GGUF stores no key for it
+
+
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+  x32 = x.astype(jnp.float32)
+  mean = jnp.mean(x32, axis=-1, keepdims=True)
+  var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+  return ((x32 - mean) * jax.lax.rsqrt(var + eps) * weight + bias).astype(x.dtype)
+
+
+def index_scores(q: jax.Array, k_cache: jax.Array, weights: jax.Array) -> jax.Array:
+  """q [B, T, H_i, d_i], k_cache [B, S, d_i], weights [B, T, H_i] -> scores [B, T, S] (f32)."""
+  scale = 1.0 / float(q.shape[-1]) ** 0.5
+  per_head = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32),
+                        k_cache.astype(jnp.float32)) * scale
+  return jnp.einsum("bths,bth->bts", jax.nn.relu(per_head), weights.astype(jnp.float32))
+
+
+def select_top_rows(scores: jax.Array, positions: jax.Array, top_k: int) -> jax.Array:
+  """Boolean [B, T, S]: the `top_k` best-scoring rows j <= position of each query."""
+  b, t, s = scores.shape
+  visible = jnp.arange(s)[None, None, :] <= positions[:, :, None]
+  masked = jnp.where(visible, scores, -jnp.inf)
+  _, idx = jax.lax.top_k(masked, min(top_k, s))                                # [B, T, k]
+  bi = jnp.arange(b)[:, None, None]
+  ti = jnp.arange(t)[None, :, None]
+  chosen = jnp.zeros((b, t, s), bool).at[bi, ti, idx].set(True)
+  return chosen & visible
+
+
+def _rope_front(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """Adjacent-pair RoPE on the leading qk_rope dims of each indexer head ([rope, rest])."""
+  rot = rope_interleaved(x[..., :cfg.rope_dims], positions, cfg.rope_theta)
+  return jnp.concatenate([rot, x[..., cfg.rope_dims:]], axis=-1)
+
+
+class Indexer(nnx.Module):
+  """Per-layer lightning indexer; dense (returns no selection) when the cache fits top_k."""
+
+  def __init__(self, cfg: ModelConfig, dtype):
+    self.cfg = cfg
+    hi, di = cfg.indexer_heads, cfg.indexer_dim
+    self.wq_b = _param((hi * di, cfg.q_lora_rank), dtype)
+    self.wk = _param((di, cfg.hidden), dtype)
+    self.k_norm_weight = _param((di,), jnp.float32)
+    self.k_norm_bias = _param((di,), jnp.float32)
+    self.proj = _param((hi, cfg.hidden), dtype)
+
+  def __call__(self, x, q_resid, positions, key_cache):
+    """x: attention input [B, T, D]; q_resid: normalised q latent [B, T, q_lora].
+
+    Returns (selection [B, T, S] or None for dense, updated key cache [B, S, 1, d_i]).
+    """
+    cfg = self.cfg
+    if key_cache.shape[1] <= cfg.indexer_topk:
+      return None, key_cache     # every visible row is kept: exactly dense MLA
+    b, t, _ = x.shape
+    q = linear(q_resid, self.wq_b[...]).reshape(b, t, cfg.indexer_heads, cfg.indexer_dim)
+    q = _rope_front(q, positions, cfg)
+    k = layer_norm(linear(x, self.wk[...]), self.k_norm_weight[...], self.k_norm_bias[...],
+                   K_NORM_EPS)
+    k = _rope_front(k[:, :, None], positions, cfg)
+    key_cache = write_rows(key_cache, k, positions[:, 0])
+    weights = linear(x, self.proj[...]).astype(jnp.float32) * cfg.indexer_heads ** -0.5
+    scores = index_scores(q, key_cache[:, :, 0], weights)
+    return select_top_rows(scores, positions, cfg.indexer_topk), key_cache

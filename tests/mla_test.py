@@ -1,0 +1,113 @@
+"""GLM-4.7-Flash-style MLA (GGUF arch `deepseek2`) against the glm4moelite-tiny fixture."""
+
+import pathlib
+
+import numpy as np
+from absl.testing import absltest
+
+import mtpjax
+from mtpjax import errors
+from mtpjax.models import config as config_lib
+from mtpjax.models.glm4_moe import kv_cache_shapes
+from mtpjax.models.layers import rope_interleaved
+
+FIXTURE = pathlib.Path("/work/shared/fixtures/glm4moelite-tiny")
+GGUF = FIXTURE / "glm4moelite_h64-F32.gguf"
+
+
+class RopeInterleavedTest(absltest.TestCase):
+
+  def test_adjacent_pairs_match_hand_rotation(self):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 3, 2, 8)).astype(np.float32)
+    pos = np.array([[0, 5, 17]], np.int32)
+    got = np.asarray(rope_interleaved(x, pos, 10000.0))
+    want = x.astype(np.float64).copy()
+    for t in range(3):
+      for j in range(4):
+        ang = pos[0, t] * 10000.0 ** (-2 * j / 8)
+        a, b = x[0, t, :, 2 * j], x[0, t, :, 2 * j + 1]
+        want[0, t, :, 2 * j] = a * np.cos(ang) - b * np.sin(ang)
+        want[0, t, :, 2 * j + 1] = b * np.cos(ang) + a * np.sin(ang)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+class DeepseekConfigTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.meta = {
+        "general.architecture": "deepseek2", "deepseek2.block_count": 2,
+        "deepseek2.embedding_length": 64, "deepseek2.feed_forward_length": 128,
+        "deepseek2.attention.head_count": 4, "deepseek2.attention.head_count_kv": 1,
+        "deepseek2.attention.key_length": 48, "deepseek2.attention.value_length": 32,
+        "deepseek2.attention.key_length_mla": 48, "deepseek2.attention.value_length_mla": 32,
+        "deepseek2.attention.q_lora_rank": 32, "deepseek2.attention.kv_lora_rank": 32,
+        "deepseek2.rope.dimension_count": 16, "deepseek2.vocab_size": 512,
+    }
+
+  def test_mla_sizes_come_from_the_mla_keys(self):
+    cfg = config_lib.config_from_gguf(self.meta | {"deepseek2.expert_gating_func": 2}, [])
+    self.assertTrue(cfg.is_mla)
+    self.assertEqual((cfg.head_dim, cfg.value_dim, cfg.kv_lora_rank, cfg.q_lora_rank),
+                     (48, 32, 32, 32))
+    self.assertEqual(cfg.gating, "sigmoid")
+    self.assertEqual(config_lib.ModelConfig.from_dict(cfg.to_dict()), cfg)
+
+  def test_missing_gating_func_falls_back_to_softmax_with_a_warning(self):
+    with self.assertLogs(config_lib.__name__, level="WARNING") as logs:
+      cfg = config_lib.config_from_gguf(self.meta, [])
+    self.assertEqual(cfg.gating, "softmax")
+    self.assertIn("expert_gating_func", logs.output[0])
+
+  def test_yarn_scaling_is_refused_by_name(self):
+    meta = self.meta | {"deepseek2.rope.scaling.type": "yarn",
+                        "deepseek2.rope.scaling.factor": 40.0}
+    with self.assertRaisesRegex(errors.UnsupportedArchitectureError, "rope.scaling"):
+      config_lib.config_from_gguf(meta, [])
+
+
+class Glm4MoeLiteFixtureTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.ref = np.load(FIXTURE / "hf_ref.npz")
+    cls.model = mtpjax.load(GGUF)
+
+  def test_config(self):
+    cfg = self.model.config
+    self.assertEqual((cfg.arch, cfg.n_layers, cfg.kv_lora_rank, cfg.rope_dims),
+                     ("deepseek2", 3, 32, 16))
+    self.assertTrue(cfg.has_mtp)
+    self.assertAlmostEqual(cfg.routed_scale, 1.8, places=6)
+
+  def test_logits_hidden_and_mtp_match_hf(self):
+    ids = self.ref["token_ids"]
+    np.testing.assert_allclose(self.model.logits(ids), self.ref["logits"], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(self.model.hidden(ids), self.ref["mtp_h_nextn"], atol=1e-4,
+                               rtol=0)
+    np.testing.assert_allclose(self.model.mtp_logits(ids), self.ref["mtp_logits_llamacpp"],
+                               atol=1e-4, rtol=0)
+
+  def test_greedy_generation_with_and_without_mtp(self):
+    want = list(self.ref["greedy_ids"])
+    for strategy in ("disabled", "native-mtp-n1"):
+      result = self.model.generate(self.ref["prompt_ids"], max_new_tokens=len(want),
+                                   speculative=strategy)
+      self.assertEqual(result.tokens, want, strategy)
+
+  def test_kv_cache_holds_latent_plus_rope_key_per_token(self):
+    cfg = self.model.config
+    per_token = cfg.kv_lora_rank + cfg.rope_dims
+    self.assertEqual(per_token, 48)
+    for k, v in kv_cache_shapes(cfg, cfg.n_layers, 2, 40):
+      self.assertEqual(k, (2, 40, 1, per_token))
+      self.assertEqual(v, (2, 40, 1, 0))
+    state = self.model.engine(native_mtp=True, max_len=64).init_state()
+    for cache in list(state.kv) + [state.mtp_kv]:
+      self.assertEqual(sum(int(np.prod(a.shape[2:])) for a in cache), per_token)
+
+
+if __name__ == "__main__":
+  absltest.main()
