@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mtpjax import checkpoint, errors, loading, sharding, speculative
+from mtpjax import checkpoint, loading, sharding, speculative
 from mtpjax.engine.decode import Engine, EngineConfig
 from mtpjax.engine.generate import Request, Result, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
@@ -84,15 +84,18 @@ class Model:
         self._weights.clear()       # the MTP-on weights include everything the others hold
       layout = StageLayout.whole(self.config, mtp=with_mtp)
       sharding_fn = sharding.param_sharding_fn(self.mesh) if self.mesh is not None else None
-      if self._checkpoint_dir is not None:
-        graphdef, abstract = loading.abstract_model(self.config, layout, self.dtype)
-        leaves = checkpoint.restore_leaves(self._checkpoint_dir, layout,
-                                           loading.flat_paths(abstract), sharding_fn)
-        self._weights[with_mtp] = loading.assemble(graphdef, abstract, leaves)
-      else:
-        self._weights[with_mtp] = loading.load_state(self.source, self.config, layout,
-                                                     dtype=self.dtype, sharding_fn=sharding_fn)
+      self._weights[with_mtp] = self._load_layout(layout, sharding_fn)
     return self._weights[with_mtp]
+
+  def _load_layout(self, layout: StageLayout, sharding_fn) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, state) of one layout, from the checkpoint parts or streamed from the source."""
+    if self._checkpoint_dir is not None:
+      graphdef, abstract = loading.abstract_model(self.config, layout, self.dtype)
+      leaves = checkpoint.restore_leaves(self._checkpoint_dir, layout,
+                                         loading.flat_paths(abstract), sharding_fn)
+      return loading.assemble(graphdef, abstract, leaves)
+    return loading.load_state(self.source, self.config, layout, dtype=self.dtype,
+                              sharding_fn=sharding_fn)
 
   def _any_weights(self):
     return next(iter(self._weights.values()))
@@ -174,10 +177,13 @@ class Model:
     engine_cfg = EngineConfig(slots=slots, max_len=max_len, prefill_buckets=buckets,
                               native_mtp=native_mtp, timing=timing)
     if engine_cfg not in self._engines:
-      graphdef, state = self.weights(with_mtp=native_mtp)
-      self._engines[engine_cfg] = Engine(graphdef, state, self.config, engine_cfg,
-                                         dtype=loading.resolve_dtype(self.dtype))
+      self._engines[engine_cfg] = self._make_engine(engine_cfg)
     return self._engines[engine_cfg]
+
+  def _make_engine(self, engine_cfg: EngineConfig) -> Engine:
+    graphdef, state = self.weights(with_mtp=engine_cfg.native_mtp)
+    return Engine(graphdef, state, self.config, engine_cfg,
+                  dtype=loading.resolve_dtype(self.dtype))
 
   def generate(self, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids=(),
@@ -214,10 +220,12 @@ def load(source, *, dtype: str = "float32", stages: int = 1, splits=None, config
          mesh=None) -> Model:
   """Open `source`, resolve the speculative strategy and load the weights."""
   loading.resolve_dtype(dtype)
-  if stages != 1 or splits is not None:
-    raise errors.MeshConfigError(
-        f"stages={stages}, splits={splits}: pipelined loading is not available yet",
-        field="stages", remedy="load with stages=1")
+  mesh_cfg = config.mesh if config is not None else None
+  if (stages != 1 or splits is not None
+      or (mesh_cfg is not None and (mesh_cfg.stages != 1 or mesh_cfg.splits is not None))):
+    from mtpjax.engine import pipeline_model  # imports this module
+    return pipeline_model.load_pipelined(source, dtype=dtype, stages=stages, splits=splits,
+                                         config=config)
   src, cfg, checkpoint_dir = _open(source)
   model_name = config.model.name if config is not None else DEFAULT_MODEL_NAME
   resolution = speculative.resolve_for_source(config or {}, model_name, src)

@@ -14,6 +14,7 @@ length are never read before they are rewritten, so a rejection needs no rollbac
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable
 
@@ -106,6 +107,9 @@ class Engine:
       self._decode = jax.jit(self._counted("decode", self._decode_fn), donate_argnames=("state",))
 
   def _counted(self, name: str, fn: Callable) -> Callable:
+    # `wraps` keeps fn's signature visible to jax.jit: without it `donate_argnames` cannot
+    # find `state` among positional arguments and silently donates nothing.
+    @functools.wraps(fn)
     def traced(*args, **kwargs):
       self.trace_counts[name] = self.trace_counts.get(name, 0) + 1
       return fn(*args, **kwargs)
@@ -146,23 +150,12 @@ class Engine:
 
   def _prefill_fn(self, params, tokens, length, keys, temperature, top_k, top_p) -> DecodeState:
     model = nnx.merge(self.graphdef, params)
-    cfg, ec = self.cfg, self.engine_cfg
-    bucket = tokens.shape[1]
-    positions = jnp.arange(bucket, dtype=jnp.int32)[None]
-    kv = init_kv(cfg, cfg.n_layers, 1, ec.cache_len, self.dtype)
+    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    kv = init_kv(self.cfg, self.cfg.n_layers, 1, self.engine_cfg.cache_len, self.dtype)
     hidden, kv = model.forward(tokens, positions, kv)
-    last = jax.lax.dynamic_index_in_dim(hidden, length - 1, axis=1, keepdims=False)  # [1, D]
-    first = sample(model.lm_logits(last), keys, length[None], temperature, top_k, top_p)
-    mtp_kv, draft = None, jnp.zeros((1,), jnp.int32)
-    if ec.native_mtp:
-      mtp_tokens = jax.lax.dynamic_update_index_in_dim(tokens, first, length, axis=1)
-      prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
-      mtp_kv = init_kv(cfg, 1, 1, ec.cache_len, self.dtype)[0]
-      z, mtp_kv = model.mtp_hidden(mtp_tokens, prev, positions, mtp_kv)
-      z_last = jax.lax.dynamic_index_in_dim(z, length, axis=1, keepdims=False)
-      draft = jnp.argmax(model.mtp_logits(z_last), axis=-1).astype(jnp.int32)
-    return DecodeState(kv=kv, mtp_kv=mtp_kv, pos=length[None], current=first, draft=draft,
-                  h_prev=last, keys=keys, temperature=temperature, top_k=top_k, top_p=top_p)
+    prefix = prefill_commit(model, self.engine_cfg, tokens, hidden, length,
+                            (keys, temperature, top_k, top_p))
+    return prefix.replace(kv=kv)
 
   def insert(self, prefix: DecodeState, state: DecodeState, slot: int) -> DecodeState:
     return self._insert(prefix, state, jnp.int32(slot))
@@ -195,48 +188,98 @@ class Engine:
 
   def _decode_fn(self, params, state: DecodeState, active):
     model = nnx.merge(self.graphdef, params)
-    hidden, kv = model.forward(state.current[:, None], state.pos[:, None], state.kv)
-    token = sample(model.lm_logits(hidden[:, 0]), state.keys, state.pos + 1, state.temperature,
-                   state.top_k, state.top_p)
-    zeros = jnp.zeros_like(token)
-    result = jnp.stack([token, zeros, jnp.ones_like(token), zeros], axis=1)
-    state = state.replace(
-        kv=kv, pos=jnp.where(active, state.pos + 1, state.pos),
-        current=jnp.where(active, token, state.current), h_prev=hidden[:, 0])
-    return state, result
+    hidden, kv = model.forward(
+        *step_inputs(state.current, state.draft, state.pos, native_mtp=False), state.kv)
+    state, result = decode_commit(model, state, hidden, active)
+    return state.replace(kv=kv), result
 
   def _verify_fn(self, params, state: DecodeState, active):
     """Target pass over [current, draft]; returns the sampled tokens and hiddens."""
     model = nnx.merge(self.graphdef, params)
-    tokens = jnp.stack([state.current, state.draft], axis=1)
-    positions = state.pos[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
-    hidden, kv = model.forward(tokens, positions, state.kv)
-    logits = model.lm_logits(hidden)                                     # [B, 2, V]
-    sampler = (state.temperature, state.top_k, state.top_p)
-    token_a = sample(logits[:, 0], state.keys, state.pos + 1, *sampler)
-    token_b = sample(logits[:, 1], state.keys, state.pos + 2, *sampler)
-    return state.replace(kv=kv), (token_a, token_b, hidden)
+    hidden, kv = model.forward(
+        *step_inputs(state.current, state.draft, state.pos, native_mtp=True), state.kv)
+    return state.replace(kv=kv), verify_tokens(model, state, hidden)
 
   def _draft_fn(self, params, state: DecodeState, verified, active):
-    """MTP pass over the two new rows, then commit one or two tokens per slot."""
-    model = nnx.merge(self.graphdef, params)
-    token_a, token_b, hidden = verified
-    accept = token_a == state.draft
-    rows = jnp.stack([token_a, token_b], axis=1)
-    positions = state.pos[:, None] + jnp.arange(1, 3, dtype=jnp.int32)[None]
-    z, mtp_kv = model.mtp_hidden(rows, hidden, positions, state.mtp_kv)
-    drafts = jnp.argmax(model.mtp_logits(z), axis=-1).astype(jnp.int32)  # [B, 2]
-    step = jnp.where(accept, 2, 1)
-    result = jnp.stack([token_a, token_b, step, accept.astype(jnp.int32)], axis=1)
-    keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
-    state = state.replace(
-        mtp_kv=mtp_kv,
-        pos=keep(state.pos + step, state.pos),
-        current=keep(jnp.where(accept, token_b, token_a), state.current),
-        draft=keep(jnp.where(accept, drafts[:, 1], drafts[:, 0]), state.draft),
-        h_prev=keep(jnp.where(accept[:, None], hidden[:, 1], hidden[:, 0]), state.h_prev))
-    return state, result
+    return draft_commit(nnx.merge(self.graphdef, params), state, verified, active)
 
   def _fused_fn(self, params, state: DecodeState, active):
     state, verified = self._verify_fn(params, state, active)
     return self._draft_fn(params, state, verified, active)
+
+
+# --- head-side step logic ---------------------------------------------------------------------
+# Everything after the trunk's final norm, written against the model that owns the output head
+# (and the MTP head): the whole model here, the last stage in a pipeline (engine/pipeline.py).
+# Both engines therefore share one sampling, accept and commit rule. The returned states keep
+# whatever `kv` they were given; the caller owns the trunk caches.
+
+def step_inputs(current, draft, pos, *, native_mtp: bool) -> tuple[jax.Array, jax.Array]:
+  """Tokens [B, T] and positions [B, T] of one step: [current] or, verifying, [current, draft]."""
+  if not native_mtp:
+    return current[:, None], pos[:, None]
+  tokens = jnp.stack([current, draft], axis=1)
+  return tokens, pos[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
+
+
+def prefill_commit(model, engine_cfg: EngineConfig, tokens, hidden, length,
+                   sampler: tuple) -> DecodeState:
+  """Sample the first token from the prompt's last hidden and, with MTP, draft the next one.
+
+  `hidden` [1, bucket, D] is the post-norm trunk output; the result has `kv=[]`.
+  """
+  keys, temperature, top_k, top_p = sampler
+  positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+  last = jax.lax.dynamic_index_in_dim(hidden, length - 1, axis=1, keepdims=False)  # [1, D]
+  first = sample(model.lm_logits(last), keys, length[None], temperature, top_k, top_p)
+  mtp_kv, draft = None, jnp.zeros((1,), jnp.int32)
+  if engine_cfg.native_mtp:
+    mtp_tokens = jax.lax.dynamic_update_index_in_dim(tokens, first, length, axis=1)
+    prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
+    mtp_kv = init_kv(model.cfg, 1, 1, engine_cfg.cache_len, model.dtype)[0]
+    z, mtp_kv = model.mtp_hidden(mtp_tokens, prev, positions, mtp_kv)
+    z_last = jax.lax.dynamic_index_in_dim(z, length, axis=1, keepdims=False)
+    draft = jnp.argmax(model.mtp_logits(z_last), axis=-1).astype(jnp.int32)
+  return DecodeState(kv=[], mtp_kv=mtp_kv, pos=length[None], current=first, draft=draft,
+                     h_prev=last, keys=keys, temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def decode_commit(model, state: DecodeState, hidden, active) -> tuple[DecodeState, jax.Array]:
+  """Plain decoding: sample one token per slot from `hidden` [B, 1, D] and commit it."""
+  token = sample(model.lm_logits(hidden[:, 0]), state.keys, state.pos + 1, state.temperature,
+                 state.top_k, state.top_p)
+  zeros = jnp.zeros_like(token)
+  result = jnp.stack([token, zeros, jnp.ones_like(token), zeros], axis=1)
+  state = state.replace(
+      pos=jnp.where(active, state.pos + 1, state.pos),
+      current=jnp.where(active, token, state.current), h_prev=hidden[:, 0])
+  return state, result
+
+
+def verify_tokens(model, state: DecodeState, hidden) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Sample the target's tokens at both verify positions; (token_a, token_b, hidden)."""
+  logits = model.lm_logits(hidden)                                       # [B, 2, V]
+  sampler = (state.temperature, state.top_k, state.top_p)
+  token_a = sample(logits[:, 0], state.keys, state.pos + 1, *sampler)
+  token_b = sample(logits[:, 1], state.keys, state.pos + 2, *sampler)
+  return token_a, token_b, hidden
+
+
+def draft_commit(model, state: DecodeState, verified, active) -> tuple[DecodeState, jax.Array]:
+  """MTP pass over the two new rows, then commit one or two tokens per slot."""
+  token_a, token_b, hidden = verified
+  accept = token_a == state.draft
+  rows = jnp.stack([token_a, token_b], axis=1)
+  positions = state.pos[:, None] + jnp.arange(1, 3, dtype=jnp.int32)[None]
+  z, mtp_kv = model.mtp_hidden(rows, hidden, positions, state.mtp_kv)
+  drafts = jnp.argmax(model.mtp_logits(z), axis=-1).astype(jnp.int32)    # [B, 2]
+  step = jnp.where(accept, 2, 1)
+  result = jnp.stack([token_a, token_b, step, accept.astype(jnp.int32)], axis=1)
+  keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+  state = state.replace(
+      mtp_kv=mtp_kv,
+      pos=keep(state.pos + step, state.pos),
+      current=keep(jnp.where(accept, token_b, token_a), state.current),
+      draft=keep(jnp.where(accept, drafts[:, 1], drafts[:, 0]), state.draft),
+      h_prev=keep(jnp.where(accept[:, None], hidden[:, 1], hidden[:, 0]), state.h_prev))
+  return state, result

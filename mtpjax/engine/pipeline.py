@@ -1,0 +1,289 @@
+"""Pipeline sharding, form B: per-stage params, KV and jitted step functions (DECODE.md §7).
+
+The package's stage plan (`package/planning.py`) splits trunk layers + NextN block over the
+stages; stage 0 embeds, the last stage holds the final norm, the head and the NextN block, so
+it samples, verifies and drafts with the Engine's own head-side functions (`decode.py`), and a
+last stage that holds only the NextN block runs just those. Each stage is jitted on its own
+sub-mesh; activations hop stage to stage (`pipeline_hops.py`). Slots are split into
+microbatches, and JAX's asynchronous dispatch lets stage s work on one group while s + 1 works
+on the previous one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from mtpjax import errors, sharding
+from mtpjax.engine import decode
+from mtpjax.engine.decode import DecodeState, Engine, EngineConfig
+from mtpjax.engine.pipeline_hops import CollectiveHops, LocalHops
+from mtpjax.engine.sampling import SamplerParams
+from mtpjax.models.config import ModelConfig
+from mtpjax.models.glm4_moe import StageLayout, init_kv, kv_cache_shapes
+from mtpjax.package import planning
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+  """Stage ranges over the package's layer_count (NextN included) and each stage's sub-mesh."""
+  ranges: tuple[planning.StageRange, ...]
+  meshes: tuple[Mesh, ...]
+
+  @property
+  def stages(self) -> int:
+    return len(self.ranges)
+
+  def layouts(self, cfg: ModelConfig, *, with_mtp: bool) -> list[StageLayout]:
+    """Model layouts: trunk layers clipped to the trunk; the NextN block rides on the last."""
+    n = cfg.n_layers
+    return [StageLayout(min(r.layer_start, n), min(r.layer_end, n), r.includes_embeddings,
+                        r.includes_output, with_mtp and cfg.has_mtp and r.includes_output)
+            for r in self.ranges]
+
+
+def pipeline_mesh(stages: int, tensor: int = 1, devices=None) -> Mesh:
+  """A ('stage', 'tensor') mesh whose stages are spread evenly over the device list.
+
+  Devices are ordered by process, so spreading puts consecutive stages on different hosts
+  when there are as many hosts as stages, and keeps a stage inside one host.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  sharding.make_mesh(stages=stages, tensor=tensor, devices=devices)   # typed size checks
+  per = len(devices) // stages
+  picks = [devices[s * per + t] for s in range(stages) for t in range(tensor)]
+  mesh = sharding.make_mesh(stages=stages, tensor=tensor, devices=picks)
+  for s in range(stages):
+    if len({d.process_index for d in mesh.devices[s]}) > 1:
+      raise errors.MeshConfigError(
+          f"stage {s} would span several processes", field="mesh.tensor",
+          remedy="use a mesh.tensor no larger than the devices of one process")
+  return mesh
+
+
+def plan_pipeline(layer_count: int, stages: int, splits: Sequence[int] | None = None, *,
+                  tensor: int = 1, devices=None) -> PipelinePlan:
+  """Validate the mesh and the split (typed errors, before any weight is read)."""
+  mesh = pipeline_mesh(stages, tensor, devices)
+  ranges = planning.plan_stages(layer_count, stages, None if splits is None else list(splits))
+  return PipelinePlan(tuple(ranges),
+                      tuple(sharding.stage_submesh(mesh, s) for s in range(stages)))
+
+
+def make_hops(plan: PipelinePlan):
+  return CollectiveHops(list(plan.meshes)) if jax.process_count() > 1 else LocalHops(
+      list(plan.meshes))
+
+
+def group_bounds(slots: int, groups: int) -> list[tuple[int, int]]:
+  """Contiguous slot groups (microbatches), sizes differing by at most one."""
+  return planning.even_split(slots, min(slots, groups))
+
+
+@dataclasses.dataclass
+class GroupState:
+  """One microbatch: trunk KV per stage (None where another process owns the stage), and the
+  head-side DecodeState (`kv=[]`) on the last stage."""
+  kv: list
+  control: DecodeState | None
+
+
+@dataclasses.dataclass
+class PipelineState:
+  groups: list[GroupState]
+
+
+@dataclasses.dataclass
+class PipelinePrefix:
+  """A prefilled prompt; `current` (the first token) is readable on every process."""
+  kv: list
+  control: DecodeState | None
+  current: np.ndarray
+
+
+def _ints(*shape) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+
+class PipelinedEngine:
+  """The Engine's prefill/insert/step contract over pipeline stages (SlotScheduler runs it)."""
+
+  def __init__(self, stage_weights: list, layouts: list[StageLayout], hops, cfg: ModelConfig,
+               engine_cfg: EngineConfig, *, dtype=jnp.float32):
+    if engine_cfg.native_mtp and not cfg.has_mtp:
+      raise errors.SpeculativeConfigError(
+          "native MTP requested but the model has no NextN block", field="native_mtp",
+          remedy="set the speculative strategy to disabled")
+    self.graphdefs = [None if w is None else w[0] for w in stage_weights]
+    self.params = [None if w is None else w[1] for w in stage_weights]
+    self.layouts = layouts
+    self.hops = hops
+    self.cfg = cfg
+    self.engine_cfg = engine_cfg
+    self.dtype = dtype
+    self.last = len(layouts) - 1
+    self.bounds = group_bounds(engine_cfg.slots, len(layouts))
+    self.trace_counts: dict[str, int] = {}
+    self._prefill = [jax.jit(self._counted("prefill", functools.partial(self._prefill_fn, s)))
+                     for s in range(len(layouts))]
+    self._step = [jax.jit(self._counted("step", functools.partial(self._step_fn, s)),
+                          donate_argnames=("kv", "control")) for s in range(len(layouts))]
+    self._insert = jax.jit(self._counted("insert", Engine._insert_fn), donate_argnames=("state",))
+
+  def _counted(self, name: str, fn):
+    def traced(*args, **kwargs):
+      self.trace_counts[name] = self.trace_counts.get(name, 0) + 1
+      return fn(*args, **kwargs)
+    return traced
+
+  def _width(self, batch: int, tokens: int) -> tuple:
+    """Shapes of one hop: the activation [B, T, D] and its positions [B, T]."""
+    return (jax.ShapeDtypeStruct((batch, tokens, self.cfg.hidden), self.dtype),
+            _ints(batch, tokens))
+
+  def _stage_kv(self, s: int, batch: int) -> list:
+    layout = self.layouts[s]
+    shapes = kv_cache_shapes(self.cfg, layout.layer_end - layout.layer_start, batch,
+                             self.engine_cfg.cache_len)
+    zeros = [(np.zeros(k, self.dtype), np.zeros(v, self.dtype)) for k, v in shapes]
+    return jax.device_put(zeros, self.hops.shardings[s])
+
+  # --- state --------------------------------------------------------------------------------
+
+  def init_state(self) -> PipelineState:
+    cfg, ec = self.cfg, self.engine_cfg
+    groups = []
+    for lo, hi in self.bounds:
+      b = hi - lo
+      kv = [self._stage_kv(s, b) if self.hops.local(s) else None
+            for s in range(len(self.layouts))]
+      control = None
+      if self.hops.local(self.last):
+        mtp_kv = None
+        if ec.native_mtp:
+          (k, v), = kv_cache_shapes(cfg, 1, b, ec.cache_len)
+          mtp_kv = (np.zeros(k, self.dtype), np.zeros(v, self.dtype))
+        control = jax.device_put(DecodeState(
+            kv=[], mtp_kv=mtp_kv, pos=np.zeros((b,), np.int32),
+            current=np.zeros((b,), np.int32), draft=np.zeros((b,), np.int32),
+            h_prev=np.zeros((b, cfg.hidden), self.dtype), keys=np.zeros((b, 2), np.uint32),
+            temperature=np.zeros((b,), np.float32), top_k=np.zeros((b,), np.int32),
+            top_p=np.ones((b,), np.float32)), self.hops.shardings[self.last])
+      groups.append(GroupState(kv=kv, control=control))
+    return PipelineState(groups)
+
+  # --- prefill ------------------------------------------------------------------------------
+
+  def _prefill_fn(self, s: int, params, inp, extra):
+    """Stage `s` over a whole prompt; the last stage also samples and drafts (`extra`)."""
+    model = nnx.merge(self.graphdefs[s], params)
+    layout = self.layouts[s]
+    positions = jnp.arange(inp.shape[1], dtype=jnp.int32)[None]
+    x = model.embed_tokens(inp) if layout.embeddings else inp
+    kv = init_kv(self.cfg, len(model.layers), 1, self.engine_cfg.cache_len, self.dtype)
+    x, kv = model.run_layers(x, positions, kv)
+    if not layout.output:
+      return x, kv
+    tokens, length, sampler = extra
+    return decode.prefill_commit(model, self.engine_cfg, tokens, model.final_norm(x), length,
+                                 sampler), kv
+
+  def prefill(self, prompt: np.ndarray, sampler: SamplerParams) -> PipelinePrefix:
+    prompt = np.asarray(prompt, np.int32).reshape(-1)
+    ec = self.engine_cfg
+    if prompt.size == 0:
+      raise errors.MtpjaxError("the prompt is empty", field="prompt",
+                               remedy="pass at least one token id")
+    if prompt.size >= ec.max_len:
+      raise errors.MtpjaxError(
+          f"a prompt of {prompt.size} tokens leaves no room in max_len {ec.max_len}",
+          field="prompt", remedy="shorten the prompt or raise engine.max_len")
+    bucket = ec.bucket_for(prompt.size + 1)
+    tokens = np.zeros((1, bucket), np.int32)
+    tokens[0, :prompt.size] = prompt
+    sampler_arrays = decode._sampler_arrays(sampler.validate())
+    kv = [None] * len(self.layouts)
+    x, control = tokens, None
+    for s in range(len(self.layouts)):
+      if s > 0:
+        x = self.hops.move(x, s - 1, s, like=self._width(1, bucket)[0])
+      if not self.hops.local(s):
+        continue
+      here = self.hops.shardings[s]
+      inp = jax.device_put(x, here)
+      if s < self.last:
+        x, kv[s] = self._prefill[s](self.params[s], inp, None)
+      else:
+        extra = jax.device_put((tokens, np.int32(prompt.size), sampler_arrays), here)
+        control, kv[s] = self._prefill[s](self.params[s], inp, extra)
+    current = self.hops.share(None if control is None else control.current, self.last,
+                              like=_ints(1))
+    return PipelinePrefix(kv=kv, control=control, current=current)
+
+  def insert(self, prefix: PipelinePrefix, state: PipelineState, slot: int) -> PipelineState:
+    g = next(i for i, (lo, hi) in enumerate(self.bounds) if lo <= slot < hi)
+    group = state.groups[g]
+    local_slot = np.int32(slot - self.bounds[g][0])
+    for s in range(len(self.layouts)):
+      if self.hops.local(s):
+        group.kv[s] = self._insert(prefix.kv[s], group.kv[s], local_slot)
+    if self.hops.local(self.last):
+      group.control = self._insert(prefix.control, group.control, local_slot)
+    return state
+
+  # --- steps --------------------------------------------------------------------------------
+
+  def _step_fn(self, s: int, params, inp, kv, control, active):
+    """Stage `s` of one decode/verify step for one group; the last stage commits tokens."""
+    model = nnx.merge(self.graphdefs[s], params)
+    layout = self.layouts[s]
+    mtp = self.engine_cfg.native_mtp
+    if layout.embeddings:
+      tokens, positions = decode.step_inputs(*inp, native_mtp=mtp)
+      x = model.embed_tokens(tokens)
+    else:
+      x, positions = inp
+    x, kv = model.run_layers(x, positions, kv)
+    if not layout.output:
+      return (x, positions), kv
+    hidden = model.final_norm(x)
+    if mtp:
+      verified = decode.verify_tokens(model, control, hidden)
+      control, result = decode.draft_commit(model, control, verified, active)
+    else:
+      control, result = decode.decode_commit(model, control, hidden, active)
+    return (control, result), kv
+
+  def step(self, state: PipelineState, active: np.ndarray) -> tuple[PipelineState, np.ndarray,
+                                                                     dict]:
+    """One step for every slot, group after group; dispatch is asynchronous, so stages overlap."""
+    active = np.asarray(active, bool)
+    width = 2 if self.engine_cfg.native_mtp else 1
+    results = []
+    for (lo, hi), group in zip(self.bounds, state.groups):
+      b = hi - lo
+      c = group.control
+      out = None if c is None else (c.current, c.draft, c.pos)
+      out = self.hops.move(out, self.last, 0, like=(_ints(b),) * 3)
+      for s in range(len(self.layouts)):
+        if s > 0:
+          out = self.hops.move(out, s - 1, s, like=self._width(b, width))
+        if not self.hops.local(s):
+          continue
+        if s < self.last:
+          out, group.kv[s] = self._step[s](self.params[s], out, group.kv[s], None, None)
+        else:
+          act = jax.device_put(active[lo:hi], self.hops.shardings[s])
+          (group.control, result), group.kv[s] = self._step[s](
+              self.params[s], out, group.kv[s], group.control, act)
+          results.append(result)
+    shared = [self.hops.share(results[i] if results else None, self.last, like=_ints(hi - lo, 4))
+              for i, (lo, hi) in enumerate(self.bounds)]
+    return state, np.concatenate([np.asarray(r) for r in shared]), {}
