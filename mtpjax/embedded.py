@@ -1,0 +1,95 @@
+"""The embedded default model: a tiny GLM layer package with an MTP head, built on first use.
+
+`python -m mtpjax.serve --config=configs/glm.py` must work offline on a fresh machine, so with
+`model.source` set to "" the server builds a deterministic tiny GLM-4.x MoE model from
+`mtpjax.testing` (an MTP head that copies the trunk, so drafts are mostly accepted), writes it
+as a GGUF and splits it into a layer package whose manifest advertises native MTP, so the
+`auto` strategy turns MTP on. The package is cached per build recipe; the build happens in a
+temporary folder that is renamed into place, so concurrent first runs are safe: one rename
+wins and the others use the winner's package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from typing import Any
+
+from absl import logging
+
+from mtpjax import errors
+from mtpjax.package import manifest as manifest_lib
+from mtpjax.package import writer
+from mtpjax.testing import tiny_glm
+
+EMBEDDED_SPEC = tiny_glm.TinyGlmSpec(mtp_copies_trunk=True)
+EMBEDDED_MODEL_ID = "mtpjax/embedded-tiny-glm:F32"
+# The modules whose code decides the package's bytes: a change to any of them (new weights
+# recipe, tokenizer, package layout) must not be served from a stale cache.
+_RECIPE_MODULES = (tiny_glm, writer)
+
+
+def cache_root(cache_dir: str | None = None) -> pathlib.Path:
+  """`cache_dir`, else `$XDG_CACHE_HOME`, else `~/.cache`; the package goes under `mtpjax/`."""
+  if cache_dir:
+    return pathlib.Path(cache_dir).expanduser()
+  xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+  return pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
+
+
+def _recipe_key(spec: tiny_glm.TinyGlmSpec) -> str:
+  """Names the cache entry after everything that determines the package."""
+  digest = hashlib.sha256(json.dumps({"model_id": EMBEDDED_MODEL_ID,
+                                      "spec": dataclasses.asdict(spec)}, sort_keys=True).encode())
+  for module in _RECIPE_MODULES:
+    digest.update(pathlib.Path(module.__file__).read_bytes())
+  return digest.hexdigest()[:16]
+
+
+def embedded_package_dir(cache_dir: str | None = None,
+                         spec: tiny_glm.TinyGlmSpec = EMBEDDED_SPEC) -> pathlib.Path:
+  """Path of the cached embedded package (a directory), building it if it is missing."""
+  root = cache_root(cache_dir) / "mtpjax"
+  final = root / f"embedded-{_recipe_key(spec)}"
+  if (final / manifest_lib.MANIFEST_NAME).is_file():
+    return final
+  try:
+    root.mkdir(parents=True, exist_ok=True)
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.build-", dir=root))
+  except OSError as e:
+    raise errors.PackageError(f"cannot create the embedded model's cache folder: {e}",
+                              path=str(root), field="cache_dir",
+                              remedy="set --config.cache_dir to a writable folder") from e
+  try:
+    logging.info("building the embedded tiny GLM package in %s (first run only)", final)
+    gguf_path = staging / "source" / "tiny-glm.gguf"
+    gguf_path.parent.mkdir()
+    tiny_glm.write_tiny_glm_gguf(gguf_path, spec)
+    built = writer.split_gguf(gguf_path, staging / "package", model_id=EMBEDDED_MODEL_ID)
+    try:
+      built.rename(final)
+    except OSError:
+      if not (final / manifest_lib.MANIFEST_NAME).is_file():
+        raise                          # not a lost race: a real failure to install
+      logging.info("another process built %s first; using it", final)
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)
+  return final
+
+
+def resolve_source(config: Any) -> str:
+  """The model path the config names; "" means the embedded default package."""
+  source = config.model.source
+  if source is None:
+    raise errors.MtpjaxError(
+        "this config has no model: model.source is unset", field="model.source",
+        remedy="pass --config.model.source=/path/to/package-or.gguf, or use configs/glm.py "
+        "without a variant for the embedded tiny demo")
+  if source.strip() == "":
+    return str(embedded_package_dir(config.cache_dir))
+  return source

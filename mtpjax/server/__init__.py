@@ -1,0 +1,148 @@
+"""The OpenAI-compatible server: `build_service(config)` loads and warms up, `serve` listens.
+
+`python -m mtpjax.serve` is a thin absl wrapper over `serve`; tests and notebooks can call
+`build_service` + `create_app` directly.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+
+import numpy as np
+import uvicorn
+from absl import logging
+
+import mtpjax
+from mtpjax import distributed, embedded, errors, sharding
+from mtpjax.engine.generate import Request, SlotScheduler
+from mtpjax.engine.pipeline_model import PipelinedModel
+from mtpjax.gguf.tokenizer import ChatTemplate, GgufTokenizer
+from mtpjax.runtime_options import consumers_from_resolution
+from mtpjax.server.app import SamplingDefaults, Service, create_app
+from mtpjax.server.metrics import ServerMetrics
+from mtpjax.server.worker import EngineWorker
+
+__all__ = ["Service", "build_service", "create_app", "serve"]
+
+
+def _max_prompt_tokens(max_len: int, buckets: tuple[int, ...]) -> int:
+  """The longest prompt the engine accepts: a bucket must hold it plus one row (DECODE.md §2)."""
+  usable = [b for b in buckets if b <= max_len + 2]
+  if not usable:
+    raise errors.MtpjaxError(
+        f"no prefill bucket in {buckets} fits engine.max_len {max_len}",
+        field="engine.prefill_buckets", remedy="add a bucket no larger than engine.max_len + 2")
+  return min(max_len - 1, max(usable) - 1)
+
+
+def _warm_up(scheduler: SlotScheduler, token: int) -> float:
+  """One prefill and one step, so the first client does not pay for the compiles."""
+  started = time.perf_counter()
+  scheduler.run([Request(prompt=np.asarray([token], np.int32), max_new_tokens=2)])
+  scheduler.occupancy_samples.clear()
+  return time.perf_counter() - started
+
+
+def _refuse_multi_process(config) -> None:
+  """Every process of a multi-host job must run the same steps; one HTTP front cannot yet."""
+  job = distributed.settings_from(config)
+  if job is not None and job.num_processes > 1:
+    raise errors.MeshConfigError(
+        f"serving from {job.num_processes} processes is not supported yet",
+        field="distributed.num_processes",
+        remedy="serve from one process: leave distributed.* and the COORDINATOR_ADDRESS / "
+        "NUM_PROCESSES / PROCESS_ID variables unset (--config.mesh.stages still pipelines the "
+        "model over this host's devices)")
+
+
+def build_service(config) -> Service:
+  """Loads the model the config names, resolves MTP once, warms up and starts the engine."""
+  _refuse_multi_process(config)
+  engine_cfg = config.engine
+  max_prompt = _max_prompt_tokens(engine_cfg.max_len, tuple(engine_cfg.prefill_buckets))
+  source = embedded.resolve_source(config)
+  pipelined = config.mesh.stages != 1 or config.mesh.splits is not None
+  mesh = None
+  if config.mesh.tensor != 1 and not pipelined:   # a pipelined load builds its own meshes
+    mesh = sharding.make_mesh(stages=1, tensor=config.mesh.tensor)
+  started = time.perf_counter()
+  model = mtpjax.load(source, dtype=config.model.dtype, config=config, mesh=mesh)
+  resolution = model.resolution
+  logging.info("loaded %s in %.1f s", source, time.perf_counter() - started)
+  logging.info("native MTP %s: %s", "on" if resolution.native_mtp else "off", resolution.reason)
+
+  stage_ranges = (model.plan.ranges if isinstance(model, PipelinedModel)
+                  else [(0, model.source.layer_count)])
+  _, _, settings = consumers_from_resolution(
+      resolution, dtype=config.model.dtype, stage_ranges=stage_ranges,
+      max_len=engine_cfg.max_len, slots=engine_cfg.slots,
+      prefill_buckets=tuple(engine_cfg.prefill_buckets), timing=engine_cfg.timing)
+  engine = model.engine(native_mtp=settings.native_mtp, slots=settings.slots,
+                        max_len=settings.max_len, prefill_buckets=settings.prefill_buckets,
+                        timing=settings.timing)
+  tokenizer = GgufTokenizer.from_metadata(model.metadata, path=source)
+  chat_template = ChatTemplate.from_metadata(model.metadata, path=source)
+
+  scheduler = SlotScheduler(engine)
+  warm_s = _warm_up(scheduler, tokenizer.special_ids.get("bos", 0))
+  logging.info("compiled and warmed up the engine in %.1f s (%d slots, max_len %d)", warm_s,
+               settings.slots, settings.max_len)
+
+  model_name = config.server.model_name
+  metrics = ServerMetrics(model_name=model_name, settings=settings)
+  worker = EngineWorker(scheduler, metrics)
+  sampling = config.sampling
+  defaults = SamplingDefaults(temperature=float(sampling.temperature), top_k=int(sampling.top_k),
+                              top_p=float(sampling.top_p),
+                              max_new_tokens=int(sampling.max_new_tokens))
+  worker.start()
+  return Service(model_name=model_name, settings=settings, resolution=resolution,
+                 tokenizer=tokenizer, chat_template=chat_template, worker=worker,
+                 metrics=metrics, defaults=defaults, max_prompt_tokens=max_prompt,
+                 seeds=random.Random(config.engine.seed))
+
+
+class _Server(uvicorn.Server):
+  """Logs the ready line once uvicorn has started serving on the bound socket."""
+
+  def __init__(self, config: uvicorn.Config, ready_message: str):
+    super().__init__(config)
+    self._ready_message = ready_message
+
+  async def startup(self, sockets=None) -> None:
+    await super().startup(sockets=sockets)
+    if self.started:
+      logging.info("%s", self._ready_message)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+  """Binds before serving, so that port 0 picks a free port the ready line can report."""
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  sock = socket.socket(family, socket.SOCK_STREAM)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  try:
+    sock.bind((host, port))
+  except OSError as e:
+    sock.close()
+    raise errors.MtpjaxError(f"cannot listen on {host}:{port}: {e}", field="server.port",
+                             remedy="choose a free port with --config.server.port "
+                             "(0 picks one)") from e
+  return sock
+
+
+def serve(config) -> None:
+  """Builds the service and serves it until interrupted (SIGINT/SIGTERM)."""
+  service = build_service(config)
+  try:
+    sock = _bind(config.server.host, config.server.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    ready = (f"mtpjax ready: serving {service.model_name!r} at {url}/v1 (native MTP "
+             f"{'on' if service.settings.native_mtp else 'off'})")
+    server = _Server(uvicorn.Config(create_app(service), log_level="warning",
+                                    timeout_graceful_shutdown=5), ready)
+    server.run(sockets=[sock])
+  finally:
+    service.worker.stop()

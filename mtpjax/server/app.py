@@ -1,0 +1,406 @@
+"""OpenAI-compatible routes over the engine worker (FastAPI).
+
+Handlers run on the asyncio loop and never touch the engine: they validate the body, turn it
+into token ids and a `Request`, submit it to the worker and turn the token batches that come
+back into text, either all at once or as server-sent events ending in `data: [DONE]`. Stop
+strings are matched on the text here (holding back a tail that could still become a stop
+string), and a match cancels the request so that its slot frees at the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+import fastapi
+import numpy as np
+from fastapi import responses
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mtpjax import errors
+from mtpjax.engine.generate import Request
+from mtpjax.engine.sampling import SamplerParams
+from mtpjax.gguf.tokenizer import ChatTemplate, GgufTokenizer
+from mtpjax.runtime_options import GenerationSettings
+from mtpjax.server import schemas
+from mtpjax.server.metrics import CONTENT_TYPE, ServerMetrics
+from mtpjax.server.schemas import ApiError
+from mtpjax.server.worker import EngineFailure, EngineWorker, Finished, Generation
+from mtpjax.speculative import SpeculativeResolution
+
+# How often a non-streaming handler checks whether its client is still connected.
+_DISCONNECT_POLL_S = 0.25
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingDefaults:
+  """Used for fields a request leaves unset (config.sampling)."""
+  temperature: float
+  top_k: int
+  top_p: float
+  max_new_tokens: int
+
+
+@dataclasses.dataclass
+class Service:
+  """Everything the routes need; built once at startup by `mtpjax.server.build_service`."""
+  model_name: str
+  settings: GenerationSettings
+  resolution: SpeculativeResolution
+  tokenizer: GgufTokenizer
+  chat_template: ChatTemplate
+  worker: EngineWorker
+  metrics: ServerMetrics
+  defaults: SamplingDefaults
+  max_prompt_tokens: int
+  seeds: random.Random            # seeds for requests that do not give one (config.engine.seed)
+  created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+  @property
+  def max_len(self) -> int:
+    return self.settings.max_len
+
+  def model_card(self) -> dict[str, Any]:
+    r = self.resolution
+    return {
+        "id": self.model_name, "object": "model", "created": self.created, "owned_by": "mtpjax",
+        "max_model_len": self.max_len, "max_prompt_tokens": self.max_prompt_tokens,
+        "native_mtp": self.settings.native_mtp,
+        "speculative": {"strategy": r.requested, "scope": r.scope,
+                        "native_mtp": self.settings.native_mtp, "mtp_layer_index":
+                        r.mtp_layer_index, "disabled_by_env": r.disabled_by_env,
+                        "reason": r.reason},
+    }
+
+
+@dataclasses.dataclass
+class _Job:
+  """A validated request, ready to submit."""
+  request: Request
+  stop_strings: tuple[str, ...]
+  include_usage: bool
+
+
+class _TextAssembler:
+  """Token batches -> text deltas, cut at the first stop string; counts completion tokens."""
+
+  def __init__(self, tokenizer: GgufTokenizer, stop_ids: frozenset[int],
+               stop_strings: tuple[str, ...]):
+    self._detok = tokenizer.stream_decoder(skip_special=True)
+    self._stop_ids = stop_ids
+    self._stops = stop_strings
+    self._longest = max((len(s) for s in stop_strings), default=0)
+    self.text = ""
+    self.sent = 0
+    self.tokens = 0
+    self.hit_stop_string = False
+
+  def feed(self, tokens: list[int]) -> str:
+    for token in tokens:
+      if self.hit_stop_string:
+        break
+      self.tokens += 1
+      if token not in self._stop_ids:      # a stop id ends the text without showing itself
+        self._append(self._detok.push(token))
+    return self._release(final=False)
+
+  def finish(self) -> str:
+    if not self.hit_stop_string:
+      self._append(self._detok.flush())
+    return self._release(final=True)
+
+  def _append(self, piece: str) -> None:
+    if not piece:
+      return
+    start = max(0, len(self.text) - self._longest + 1)
+    self.text += piece
+    if not self._stops:
+      return
+    hits = [i for i in (self.text.find(s, start) for s in self._stops) if i >= 0]
+    if hits:
+      self.text = self.text[:min(hits)]
+      self.hit_stop_string = True
+
+  def _held_back(self) -> int:
+    """Length of the longest tail of the text that is a proper prefix of a stop string."""
+    for size in range(min(self._longest - 1, len(self.text) - self.sent), 0, -1):
+      tail = self.text[-size:]
+      if any(s.startswith(tail) for s in self._stops):
+        return size
+    return 0
+
+  def _release(self, final: bool) -> str:
+    end = len(self.text) if final or self.hit_stop_string else len(self.text) - self._held_back()
+    delta = self.text[self.sent:end]
+    self.sent = max(self.sent, end)
+    return delta
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+  return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+          "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(payload: dict | str) -> str:
+  data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+  return f"data: {data}\n\n"
+
+
+class _Routes:
+  """The request handlers, bound to one Service."""
+
+  def __init__(self, service: Service):
+    self.service = service
+
+  # --- validation ---------------------------------------------------------------------------
+
+  def _check_model(self, model: str) -> None:
+    if model != self.service.model_name:
+      raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                     f"{self.service.model_name!r} (see GET /v1/models)", type=schemas.NOT_FOUND,
+                     param="model", code="model_not_found")
+
+  def _check_ids(self, ids: list[int], param: str) -> None:
+    vocab = self.service.tokenizer.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+      raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+                     param=param, code="invalid_value")
+
+  def _job(self, body: schemas._GenerationRequest, prompt_ids: list[int], *, budget: int | None,
+           budget_param: str, stop_ids: frozenset[int], prompt_param: str) -> _Job:
+    s = self.service
+    n = len(prompt_ids)
+    if n > s.max_prompt_tokens:
+      raise ApiError(400, f"the prompt has {n} tokens but this server's context holds at most "
+                     f"{s.max_prompt_tokens} prompt tokens (engine.max_len {s.max_len}, "
+                     f"engine.prefill_buckets {list(s.settings.prefill_buckets)}); shorten "
+                     "the prompt", 
+                     param=prompt_param, code="context_length_exceeded")
+    room = s.max_len - n
+    if budget is None:
+      budget = min(s.defaults.max_new_tokens, room)
+    elif budget > room:
+      raise ApiError(400, f"{budget_param} = {budget} does not fit: the context length is "
+                     f"{s.max_len} tokens and the prompt uses {n}; ask for at most {room}",
+                     param=budget_param, code="context_length_exceeded")
+    extra_ids = list(body.stop_token_ids or ())
+    self._check_ids(extra_ids, "stop_token_ids")
+    top_k = s.defaults.top_k if body.top_k is None else max(body.top_k, 0)
+    sampler = SamplerParams(
+        temperature=s.defaults.temperature if body.temperature is None else body.temperature,
+        top_k=top_k, top_p=s.defaults.top_p if body.top_p is None else body.top_p,
+        seed=s.seeds.getrandbits(32) if body.seed is None else body.seed)
+    try:
+      sampler.validate()
+    except errors.MtpjaxError as e:
+      raise ApiError(400, e.message, param=e.field, code="invalid_value") from None
+    request = Request(prompt=np.asarray(prompt_ids, np.int32), max_new_tokens=budget,
+                      sampler=sampler, stop_ids=stop_ids | frozenset(extra_ids))
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return _Job(request, body.stop_strings(), include_usage)
+
+  def _completion_job(self, body: schemas.CompletionRequest) -> _Job:
+    self._check_model(body.model)
+    prompt = body.prompt_input()
+    if isinstance(prompt, str):
+      ids = self.service.tokenizer.encode(prompt)
+    else:
+      ids = list(prompt)
+      self._check_ids(ids, "prompt")
+    eos = self.service.tokenizer.special_ids.get("eos")
+    stop_ids = frozenset() if eos is None else frozenset([eos])
+    return self._job(body, ids, budget=body.max_tokens, budget_param="max_tokens",
+                     stop_ids=stop_ids, prompt_param="prompt")
+
+  def _chat_job(self, body: schemas.ChatCompletionRequest) -> _Job:
+    self._check_model(body.model)
+    try:
+      text = self.service.chat_template.render(
+          [m.template_dict() for m in body.messages], add_generation_prompt=True,
+          **(body.chat_template_kwargs or {}))
+    except errors.MtpjaxError as e:
+      raise ApiError(400, e.message, param="messages", code="invalid_value") from None
+    ids = self.service.tokenizer.encode(text)
+    if not ids:
+      raise ApiError(400, "the messages render to an empty prompt", param="messages")
+    budget_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+    return self._job(body, ids, budget=body.token_budget, budget_param=budget_param,
+                     stop_ids=self.service.tokenizer.stop_ids, prompt_param="messages")
+
+  # --- generation ---------------------------------------------------------------------------
+
+  def _check_alive(self) -> None:
+    if not self.service.worker.alive:
+      raise ApiError(503, "the engine is not running", type=schemas.SERVER_ERROR,
+                     code="engine_unavailable")
+
+  def _submit(self, job: _Job, label: str) -> tuple[Generation, _TextAssembler]:
+    generation = self.service.worker.submit(job.request, label)
+    return generation, _TextAssembler(self.service.tokenizer, job.request.stop_ids,
+                                      job.stop_strings)
+
+  @staticmethod
+  def _finish_reason(text: _TextAssembler, finished: Finished | None) -> str:
+    return "stop" if text.hit_stop_string or finished is None else finished.finish_reason
+
+  async def _collect(self, job: _Job, label: str, http: fastapi.Request
+                     ) -> tuple[str, str, dict[str, int]]:
+    """(text, finish_reason, usage) of a whole generation; a client that leaves cancels it."""
+    self._check_alive()
+    generation, text = self._submit(job, label)
+    finished = None
+    try:
+      while finished is None and not text.hit_stop_string:
+        try:
+          event = await generation.next_event(_DISCONNECT_POLL_S)
+        except TimeoutError:
+          if await http.is_disconnected():
+            raise ApiError(499, "the client closed the connection", code="client_closed")
+          continue
+        if isinstance(event, Finished):
+          finished = event
+        else:
+          text.feed(event)
+    except EngineFailure as e:
+      raise ApiError(500, str(e), type=schemas.SERVER_ERROR, code="engine_failure") from None
+    finally:
+      if finished is None:              # stop string, client gone, or the handler cancelled
+        generation.cancel("stop" if text.hit_stop_string else "cancelled")
+    text.finish()
+    return text.text, self._finish_reason(text, finished), _usage(len(job.request.prompt),
+                                                                  text.tokens)
+
+  async def _stream(self, job: _Job, label: str,
+                    chunk: Callable[[str | None, str | None], dict | None]) -> AsyncIterator[str]:
+    """SSE events; `chunk(delta, finish_reason)` builds each payload (delta None: the opener).
+
+    Starlette cancels this generator when the client disconnects; `finally` then frees the slot.
+    """
+    generation, text = self._submit(job, label)
+    finished = None
+    try:
+      opener = chunk(None, None)
+      if opener is not None:
+        yield _sse(opener)
+      while finished is None and not text.hit_stop_string:
+        event = await generation.next_event()
+        if isinstance(event, Finished):
+          finished = event
+          delta = text.finish()
+        else:
+          delta = text.feed(event)
+          if text.hit_stop_string:
+            generation.cancel("stop")   # free the slot now, not after the last sends
+        if delta:
+          yield _sse(chunk(delta, None))
+      yield _sse(chunk("", self._finish_reason(text, finished)))
+      if job.include_usage:
+        yield _sse({**chunk("", None), "choices": [],
+                    "usage": _usage(len(job.request.prompt), text.tokens)})
+    except EngineFailure as e:
+      self.service.metrics.on_error(500, "engine_failure")
+      yield _sse(schemas.error_body(str(e), type=schemas.SERVER_ERROR, code="engine_failure"))
+    finally:
+      if finished is None:              # the client went away (no-op after a stop string)
+        generation.cancel()
+    yield _sse("[DONE]")
+
+  # --- routes -------------------------------------------------------------------------------
+
+  async def completions(self, http: fastapi.Request):
+    body = schemas.parse_body(schemas.CompletionRequest, await http.body())
+    job = self._completion_job(body)
+    rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.service.model_name
+
+    def chunk(delta: str | None, finish_reason: str | None) -> dict | None:
+      if delta is None:
+        return None
+      return {"id": rid, "object": "text_completion", "created": created, "model": model,
+              "choices": [{"index": 0, "text": delta, "logprobs": None,
+                           "finish_reason": finish_reason}]}
+
+    if body.stream:
+      self._check_alive()
+      return responses.StreamingResponse(self._stream(job, "completions", chunk),
+                                         media_type="text/event-stream")
+    content, reason, usage = await self._collect(job, "completions", http)
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": content, "logprobs": None,
+                         "finish_reason": reason}], "usage": usage}
+
+  async def chat_completions(self, http: fastapi.Request):
+    body = schemas.parse_body(schemas.ChatCompletionRequest, await http.body())
+    job = self._chat_job(body)
+    rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.service.model_name
+
+    def chunk(delta: str | None, finish_reason: str | None) -> dict:
+      message = ({"role": "assistant", "content": ""} if delta is None
+                 else {} if finish_reason is not None else {"content": delta})
+      return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+              "choices": [{"index": 0, "delta": message, "logprobs": None,
+                           "finish_reason": finish_reason}]}
+
+    if body.stream:
+      self._check_alive()
+      return responses.StreamingResponse(self._stream(job, "chat", chunk),
+                                         media_type="text/event-stream")
+    content, reason, usage = await self._collect(job, "chat", http)
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                         "logprobs": None, "finish_reason": reason}], "usage": usage}
+
+  async def models(self):
+    return {"object": "list", "data": [self.service.model_card()]}
+
+  async def model(self, model_id: str):
+    self._check_model(model_id)
+    return self.service.model_card()
+
+  async def health(self):
+    if not self.service.worker.alive:
+      raise ApiError(503, "the engine thread is not running", type=schemas.SERVER_ERROR,
+                     code="engine_unavailable")
+    return {"status": "ok", "model": self.service.model_name,
+            "native_mtp": self.service.settings.native_mtp,
+            "requests_in_flight": self.service.worker.running}
+
+  async def metrics(self):
+    return responses.Response(self.service.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def create_app(service: Service) -> fastapi.FastAPI:
+  """The FastAPI app; every error, ours or the framework's, leaves in the OpenAI error shape."""
+  app = fastapi.FastAPI(title="mtpjax", version="0.1.0")
+  routes = _Routes(service)
+  app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+  app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+  app.add_api_route("/v1/models", routes.models, methods=["GET"])
+  app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
+  app.add_api_route("/health", routes.health, methods=["GET"])
+  app.add_api_route("/metrics", routes.metrics, methods=["GET"])
+
+  def reply(status: int, body: dict) -> responses.JSONResponse:
+    service.metrics.on_error(status, body["error"]["code"])
+    return responses.JSONResponse(body, status_code=status)
+
+  @app.exception_handler(ApiError)
+  async def api_error(_, e: ApiError):
+    return reply(e.status, e.body())
+
+  @app.exception_handler(StarletteHTTPException)
+  async def http_error(_, e: StarletteHTTPException):
+    error_type = schemas.NOT_FOUND if e.status_code == 404 else schemas.INVALID_REQUEST
+    return reply(e.status_code, schemas.error_body(str(e.detail), type=error_type,
+                                                   code=f"http_{e.status_code}"))
+
+  @app.exception_handler(Exception)
+  async def internal_error(_, e: Exception):
+    return reply(500, schemas.error_body(f"internal error: {type(e).__name__}: {e}",
+                                         type=schemas.SERVER_ERROR, code="internal_error"))
+
+  return app
