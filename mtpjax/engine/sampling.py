@@ -56,6 +56,8 @@ def _filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax
   mass_before = jnp.cumsum(probs) - probs
   kept = mass_before < top_p
   cutoff = jnp.min(jnp.where(kept, sorted_desc, jnp.inf))
+  # top_p = 1 keeps everything: a float32 running sum may reach 1 before the tail.
+  cutoff = jnp.where(top_p >= 1.0, -jnp.inf, cutoff)
   return jnp.where(logits >= cutoff, logits, -jnp.inf)
 
 

@@ -469,13 +469,13 @@ def stored_tiny_glm_tensors(spec: TinyGlmSpec = TinyGlmSpec()) -> dict[str, np.n
 # Writing
 
 
-def _add_model_keys(w: gguf.GGUFWriter, spec: TinyGlmSpec) -> None:
+def _add_model_keys(w: gguf.GGUFWriter, spec: TinyGlmSpec, model_name: str) -> None:
   """Key/values in the order llama.cpp's converter writes them for glm4moe.
 
   Call after the tensors are added: `general.size_label` is computed from them.
   """
   w.add_type("model")
-  w.add_name("tiny-glm4moe")
+  w.add_name(model_name)
   w.add_size_label(gguf.size_label(*w.get_total_parameter_count()))
   w.add_block_count(spec.block_count)
   w.add_context_length(spec.context_length)
@@ -506,14 +506,23 @@ def _add_model_keys(w: gguf.GGUFWriter, spec: TinyGlmSpec) -> None:
 
 def write_tiny_glm_gguf(path: str | os.PathLike, spec: TinyGlmSpec = TinyGlmSpec(), *,
                         split_max_tensors: int | None = None) -> list[Path]:
-  """Writes the model (weights + tokenizer) and returns the written paths.
+  """Writes the generated model (weights + tokenizer) and returns the written paths."""
+  return write_glm_gguf(path, spec, build_tiny_glm_tensors(spec),
+                        tiny_tokenizer_metadata(spec.vocab_size),
+                        split_max_tensors=split_max_tensors)
+
+
+def write_glm_gguf(path: str | os.PathLike, spec: TinyGlmSpec, tensors: dict[str, np.ndarray],
+                   tokenizer_metadata: dict[str, Any], *, split_max_tensors: int | None = None,
+                   model_name: str = "tiny-glm4moe") -> list[Path]:
+  """Writes float32 `tensors` (GGUF names, [out, in]) stored as `spec.tensor_type`, with the
+  glm4moe keys of `spec` and the given tokenizer key/values; returns the written paths.
 
   With `split_max_tensors`, gguf-py's own splitting writes `stem-0000k-of-0000n.gguf` shards
   (shard 1 holds every key/value; all carry `split.*`). Files are written into a temporary
   folder next to `path` and renamed into place, so a crash never leaves a partial GGUF.
   """
   path = Path(path)
-  tensors = build_tiny_glm_tensors(spec)
   tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
   w = gguf.GGUFWriter(tmp_dir / path.name, ARCH, split_max_tensors=split_max_tensors or 0)
   try:
@@ -523,8 +532,8 @@ def write_tiny_glm_gguf(path: str | os.PathLike, spec: TinyGlmSpec = TinyGlmSpec
         w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
       else:
         w.add_tensor(name, data)
-    _add_model_keys(w, spec)
-    _add_tokenizer(w, tiny_tokenizer_metadata(spec.vocab_size))
+    _add_model_keys(w, spec, model_name)
+    _add_tokenizer(w, tokenizer_metadata)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,0 +1,261 @@
+"""Tests for mtpjax.engine.decode: the jitted prefill / insert / decode and verify+draft steps.
+
+References are independent of the engine: the llama.cpp-converted fixture with transformers'
+greedy continuation, full-sequence forwards (`Model.logits`, `model.forward` over the whole
+committed sequence with a fresh cache) and from-scratch MTP passes (`model.mtp_hidden`).
+"""
+
+import functools
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+from flax import nnx
+
+import mtpjax
+from mtpjax.engine.decode import ACCEPTED, COUNT, TOKEN_A, TOKEN_B
+from mtpjax.engine.generate import Request, SlotScheduler
+from mtpjax.engine.sampling import SamplerParams
+from mtpjax.models.glm4_moe import init_kv
+from mtpjax.testing.tiny_glm import TinyGlmSpec, write_tiny_glm_gguf
+
+FIXTURE = Path("/work/shared/fixtures/glm4moe-tiny")
+FIXTURE_F32 = FIXTURE / "glm4moe_h64-F32.gguf"
+ATOL = 1e-5
+
+
+def load_generated(tmp: str, spec: TinyGlmSpec):
+  path = write_tiny_glm_gguf(Path(tmp) / f"tiny-{spec.seed}.gguf", spec)[0]
+  return mtpjax.load(str(path))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def cached_forward(graphdef, params, tokens, positions, kv):
+  """Trunk pass over `tokens` at `positions` on top of `kv`: logits, hiddens, new cache."""
+  model = nnx.merge(graphdef, params)
+  hidden, kv = model.forward(tokens, positions, kv)
+  return model.lm_logits(hidden), hidden, kv
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def scratch_passes(graphdef, params, tokens):
+  """From scratch over one padded sequence: trunk hiddens and KV, then the MTP KV and logits.
+
+  MTP row q is (x_q, h_{q-1}) at position q with a zero hidden for row 0 (DECODE.md §3).
+  """
+  model = nnx.merge(graphdef, params)
+  cfg = model.cfg
+  length = tokens.shape[1]
+  positions = jnp.arange(length, dtype=jnp.int32)[None]
+  hidden, kv = model.forward(tokens, positions, init_kv(cfg, cfg.n_layers, 1, length,
+                                                        jnp.float32))
+  prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
+  z, mtp_kv = model.mtp_hidden(tokens, prev, positions,
+                               init_kv(cfg, 1, 1, length, jnp.float32)[0])
+  return hidden, kv, mtp_kv, model.mtp_logits(z)
+
+
+class FixtureTest(parameterized.TestCase):
+  """The llama.cpp-converted fixture against transformers' greedy continuation."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.model = mtpjax.load(str(FIXTURE_F32))
+    cls.ref = np.load(FIXTURE / "hf_ref.npz")
+
+  @parameterized.parameters("disabled", "native-mtp-n1")
+  def test_greedy_matches_transformers(self, strategy):
+    result = self.model.generate(self.ref["prompt_ids"], max_new_tokens=32,
+                                 speculative=strategy)
+    self.assertEqual(result.tokens, self.ref["greedy_ids"].tolist())
+    self.assertEqual(result.finish_reason, "length")
+    self.assertEqual(result.stats.native_mtp, strategy != "disabled")
+    self.assertEqual(result.stats.drafted, 32 if strategy != "disabled" else 0)
+
+  def test_timing_mode_keeps_tokens_and_fills_durations(self):
+    result = self.model.generate(self.ref["prompt_ids"], max_new_tokens=12,
+                                 speculative="native-mtp-n1", timing=True)
+    self.assertEqual(result.tokens, self.ref["greedy_ids"][:12].tolist())
+    self.assertGreater(result.stats.proposal_compute_us, 0)
+    self.assertGreater(result.stats.verification_compute_us, 0)
+    engine = self.model.engine(native_mtp=True, max_len=128, timing=True)
+    self.assertEqual(engine.trace_counts, {"prefill": 1, "insert": 1, "verify": 1, "draft": 1})
+
+
+class ForwardEquivalenceTest(absltest.TestCase):
+  """Cached step-by-step logits equal the full forward's (flax gemma test_forward_equivalence)."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.tmp = tempfile.TemporaryDirectory()
+    cls.model = load_generated(cls.tmp.name, TinyGlmSpec(seed=3))
+    cls.graphdef, cls.params = cls.model.weights(with_mtp=False)
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.tmp.cleanup()
+    super().tearDownClass()
+
+  def test_plain_decode_and_verify_positions(self):
+    """Two slots at different positions; plain steps, accepted and rejected verify passes."""
+    cfg = self.model.config
+    rng = np.random.default_rng(0)
+    seqs = rng.integers(0, cfg.vocab_size, size=(2, 30)).astype(np.int32)
+    full = np.stack([self.model.logits(s) for s in seqs])                     # [2, 30, V]
+    kv = init_kv(cfg, cfg.n_layers, 2, 40, jnp.float32)
+    pos = np.array([5, 11])
+    tokens = rng.integers(0, cfg.vocab_size, size=(2, 16)).astype(np.int32)  # padding garbage
+    for s in range(2):
+      tokens[s, :pos[s]] = seqs[s, :pos[s]]
+    logits, _, kv = cached_forward(self.graphdef, self.params, jnp.asarray(tokens),
+                                   jnp.arange(16, dtype=jnp.int32)[None].repeat(2, 0), kv)
+    for s in range(2):
+      np.testing.assert_allclose(logits[s, :pos[s]], full[s, :pos[s]], atol=ATOL, rtol=ATOL)
+    ops = ["decode", "accept", "reject", "accept", "decode", "reject", "reject", "accept"] * 3
+    checked = {"decode": 0, "accept": 0, "reject": 0}
+    for op in ops:
+      if pos.max() + 2 > seqs.shape[1]:
+        break
+      rows = np.arange(2)
+      if op == "decode":
+        step_tokens = seqs[rows, pos][:, None]
+      else:
+        second = seqs[rows, pos + 1] if op == "accept" else (seqs[rows, pos + 1] + 1) % 7
+        step_tokens = np.stack([seqs[rows, pos], second], axis=1)
+      positions = pos[:, None] + np.arange(step_tokens.shape[1])[None]
+      logits, _, kv = cached_forward(self.graphdef, self.params, jnp.asarray(step_tokens),
+                                     jnp.asarray(positions, jnp.int32), kv)
+      logits = np.asarray(logits)
+      for s in range(2):
+        np.testing.assert_allclose(logits[s, 0], full[s, pos[s]], atol=ATOL, rtol=ATOL,
+                                   err_msg=f"{op} slot {s} position {pos[s]}")
+        if op == "accept":
+          np.testing.assert_allclose(logits[s, 1], full[s, pos[s] + 1], atol=ATOL, rtol=ATOL,
+                                     err_msg=f"verify second row, slot {s}")
+      checked[op] += 1
+      pos = pos + (2 if op == "accept" else 1)
+    self.assertTrue(all(n >= 2 for n in checked.values()), checked)
+
+
+class MtpEngineTest(parameterized.TestCase):
+  """The MTP engine on a generated model with a random NextN block (its hidden input matters)."""
+
+  MAX_LEN = 64
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.tmp = tempfile.TemporaryDirectory()
+    cls.model = load_generated(cls.tmp.name, TinyGlmSpec(seed=5))
+    kwargs = dict(slots=2, max_len=cls.MAX_LEN, prefill_buckets=(16, 32))
+    cls.on = cls.model.engine(native_mtp=True, **kwargs)
+    cls.off = cls.model.engine(native_mtp=False, **kwargs)
+    cls.graphdef, cls.params = cls.model.weights(with_mtp=True)
+    rng = np.random.default_rng(1)
+    cls.prompts = [rng.integers(0, 500, size=n).astype(np.int32) for n in (7, 12)]
+    requests = [Request(prompt=p, max_new_tokens=40) for p in cls.prompts]
+    cls.reference = [r.tokens for r in SlotScheduler(cls.off).run(requests)]
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.tmp.cleanup()
+    super().tearDownClass()
+
+  def check_state_against_scratch(self, state, slot: int, committed: list[int]):
+    """pos/current/h_prev/draft and the KV rows a query can see, against from-scratch passes."""
+    pos = int(state.pos[slot])
+    self.assertEqual(len(committed), pos + 1, "pos must index the last committed token")
+    self.assertEqual(int(state.current[slot]), committed[-1])
+    padded = np.zeros((1, self.MAX_LEN), np.int32)
+    padded[0, :pos + 1] = committed
+    hidden, kv, mtp_kv, mtp_logits = scratch_passes(self.graphdef, self.params,
+                                                    jnp.asarray(padded))
+    np.testing.assert_allclose(state.h_prev[slot], hidden[0, pos - 1], atol=ATOL, rtol=ATOL)
+    for layer, (k, v) in enumerate(kv):
+      for name, cached, fresh in (("k", state.kv[layer][0], k), ("v", state.kv[layer][1], v)):
+        np.testing.assert_allclose(cached[slot, :pos], fresh[0, :pos], atol=ATOL, rtol=ATOL,
+                                   err_msg=f"target {name} layer {layer} rows 0..{pos - 1}")
+    for name, cached, fresh in (("k", state.mtp_kv[0], mtp_kv[0]),
+                                ("v", state.mtp_kv[1], mtp_kv[1])):
+      np.testing.assert_allclose(cached[slot, :pos + 1], fresh[0, :pos + 1], atol=ATOL,
+                                 rtol=ATOL, err_msg=f"MTP {name} rows 0..{pos}")
+    self.assertEqual(int(state.draft[slot]), int(np.argmax(mtp_logits[0, pos])))
+
+  def test_forced_rejections_keep_output_and_mtp_kv(self):
+    """Drafts injected into the state: wrong ones (rejected), right ones (accepted), natural."""
+    engine = self.on
+    state = engine.init_state()
+    emitted = [[], []]
+    for slot, prompt in enumerate(self.prompts):
+      prefix = engine.prefill(prompt, SamplerParams())
+      state = engine.insert(prefix, state, slot)
+      emitted[slot].append(int(prefix.current[0]))
+    active = np.ones(2, bool)
+    outcomes = {"reject": 0, "accept": 0}
+    for step in range(14):
+      kinds = [("reject", "accept", "natural")[(step + slot) % 3] for slot in range(2)]
+      drafts = np.asarray(state.draft).copy()
+      for slot, kind in enumerate(kinds):
+        target = self.reference[slot][len(emitted[slot])]   # the token t_a will be
+        if kind != "natural":
+          drafts[slot] = target if kind == "accept" else (target + 1) % 500
+      state = state.replace(draft=jnp.asarray(drafts))
+      state, result, _ = engine.step(state, active)
+      for slot, kind in enumerate(kinds):
+        row = result[slot]
+        if kind != "natural":
+          self.assertEqual(row[ACCEPTED], int(kind == "accept"))
+          self.assertEqual(row[COUNT], 2 if kind == "accept" else 1)
+          outcomes[kind] += 1
+        emitted[slot] += [int(row[TOKEN_A])] + ([int(row[TOKEN_B])] if row[COUNT] == 2 else [])
+        self.check_state_against_scratch(state, slot, list(self.prompts[slot]) + emitted[slot])
+    for slot in range(2):
+      self.assertEqual(emitted[slot], self.reference[slot][:len(emitted[slot])])
+    self.assertEqual(outcomes, {"reject": 9, "accept": 10})
+
+  def test_prefill_state_matches_scratch(self):
+    state = self.on.init_state()
+    prefix = self.on.prefill(self.prompts[1], SamplerParams())
+    state = self.on.insert(prefix, state, 1)
+    committed = list(self.prompts[1]) + [self.reference[1][0]]
+    self.check_state_against_scratch(state, 1, committed)
+
+  @parameterized.parameters(True, False)
+  def test_one_trace_per_bucket_and_one_step(self, native_mtp):
+    """Prompts in both buckets, greedy and sampled, twice: the class engine never retraces."""
+    engine = self.on if native_mtp else self.off
+    rng = np.random.default_rng(2)
+    for round_ in range(2):
+      requests = [Request(prompt=rng.integers(0, 500, size=n).astype(np.int32),
+                          max_new_tokens=int(m), sampler=SamplerParams(t, k, p, seed=n))
+                  for n, m, t, k, p in ((3, 5, 0.0, 0, 1.0), (20, 9, 0.7, 5, 1.0),
+                                        (9, 4, 1.0, 0, 0.8), (25, 7, 0.0, 0, 1.0),
+                                        (14, 6, 1.5, 3, 0.5))]
+      results = SlotScheduler(engine).run(requests)
+      self.assertEqual([len(r.tokens) for r in results], [5, 9, 4, 7, 6])
+      step = "verify_draft" if native_mtp else "decode"
+      self.assertEqual(engine.trace_counts, {"prefill": 2, "insert": 1, step: 1},
+                       f"round {round_}")
+
+  def test_donation_deletes_the_input_state(self):
+    engine = self.on
+    state = engine.init_state()
+    prefix = engine.prefill(self.prompts[0], SamplerParams())
+    before_insert = state.kv[0][0]
+    state = engine.insert(prefix, state, 0)
+    self.assertTrue(before_insert.is_deleted())
+    self.assertFalse(prefix.kv[0][0].is_deleted())   # the prefix is read, not donated
+    trunk, mtp = state.kv[-1][1], state.mtp_kv[0]
+    state, _, _ = engine.step(state, np.array([True, False]))
+    self.assertTrue(trunk.is_deleted())
+    self.assertTrue(mtp.is_deleted())
+    self.assertFalse(state.kv[-1][1].is_deleted())
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,223 @@
+"""Tests for mtpjax.engine.generate: continuous batching, MTP on vs off, stops, budgets, stats.
+
+The reference for every request is the same request served alone with MTP off. The counters are
+checked against identities and against a replay of the draft rule over the final output, with
+drafts taken from a from-scratch MTP pass (`Model.mtp_logits`), not from the engine.
+"""
+
+import functools
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from absl.testing import absltest, parameterized
+
+import mtpjax
+from mtpjax import errors
+from mtpjax.engine.generate import Request, SlotScheduler
+from mtpjax.engine.sampling import SamplerParams
+from mtpjax.telemetry import MtpStats
+from mtpjax.testing.tiny_glm import TinyGlmSpec, write_tiny_glm_gguf
+
+MAX_LEN = 64
+SLOTS = 4
+SAMPLED = dict(temperature=0.8, top_k=0, top_p=0.9)
+
+
+@functools.cache
+def tiny_model():
+  """One generated model (MTP head copying the trunk) shared by every class in this file."""
+  tmp = tempfile.TemporaryDirectory(prefix="generate_test.")
+  path = write_tiny_glm_gguf(Path(tmp.name) / "tiny.gguf",
+                             TinyGlmSpec(mtp_copies_trunk=True, seed=7))[0]
+  return mtpjax.load(str(path)), tmp
+
+
+def engine(native_mtp: bool, slots: int = SLOTS):
+  """Cached by the model, so every class reuses the same compiled steps."""
+  return tiny_model()[0].engine(native_mtp=native_mtp, slots=slots, max_len=MAX_LEN,
+                                prefill_buckets=(16,))
+
+
+def serve(native_mtp: bool, requests, slots: int = SLOTS):
+  scheduler = SlotScheduler(engine(native_mtp, slots))
+  return scheduler.run(requests), scheduler
+
+
+def replay_counts(model, prompt, tokens) -> dict:
+  """The counters the DECODE.md §3 rule implies for `tokens`, drafts from a scratch MTP pass."""
+  committed = list(prompt) + list(tokens)
+  padded = np.zeros(MAX_LEN, np.int32)
+  padded[:len(committed)] = committed
+  drafts = model.mtp_logits(padded).argmax(-1)    # row q drafts position q + 1; causal rows
+  pos, emitted, accepted, rejected = len(prompt), 1, 0, 0
+  while emitted < len(tokens):
+    if committed[pos + 1] == drafts[pos]:
+      accepted, pos, emitted = accepted + 1, pos + 2, emitted + 2
+    else:
+      rejected, pos, emitted = rejected + 1, pos + 1, emitted + 1
+  passes = 1 + accepted + rejected
+  return dict(accepted=accepted, rejected=rejected, target_passes=passes, drafted=passes,
+              committed_tokens=passes + accepted)
+
+
+class ContinuousBatchingTest(absltest.TestCase):
+  """24 prompts, each greedy and sampled, served 4 at a time with MTP on and off, and alone."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.model = tiny_model()[0]
+    rng = np.random.default_rng(0)
+    cls.requests = []
+    for i in range(24):
+      length = 15 if i == 5 else int(rng.integers(1, 16))   # prompt 5 reaches max_len
+      budget = 60 if i == 5 else int(rng.integers(3, 30))
+      prompt = rng.integers(0, 502, size=length).astype(np.int32)
+      cls.requests.append(Request(prompt=prompt, max_new_tokens=budget))
+      cls.requests.append(Request(prompt=prompt, max_new_tokens=budget,
+                                  sampler=SamplerParams(**SAMPLED, seed=i)))
+    cls.on, cls.on_scheduler = serve(True, cls.requests)
+    cls.off, _ = serve(False, cls.requests)
+    cls.alone = [serve(False, [r], slots=1)[0][0] for r in cls.requests]
+
+  def test_mtp_on_equals_mtp_off(self):
+    for i, (on, off) in enumerate(zip(self.on, self.off)):
+      self.assertEqual(on.tokens, off.tokens, f"request {i}")
+      self.assertEqual(on.finish_reason, off.finish_reason, f"request {i}")
+
+  def test_batching_does_not_change_outputs(self):
+    self.assertEqual(max(self.on_scheduler.occupancy_samples), 1.0)   # all 4 slots were busy
+    for i, (batched, alone) in enumerate(zip(self.off, self.alone)):
+      self.assertEqual(batched.tokens, alone.tokens, f"request {i}")
+      self.assertEqual(batched.finish_reason, alone.finish_reason, f"request {i}")
+
+  def test_budgets_and_context_limit(self):
+    for i, (request, result) in enumerate(zip(self.requests, self.on)):
+      if i // 2 == 5:
+        self.assertEqual(len(result.tokens), MAX_LEN - 15)
+      else:
+        self.assertEqual(len(result.tokens), request.max_new_tokens)
+      self.assertEqual(result.finish_reason, "length")
+
+  def test_sampling_differs_from_greedy(self):
+    differ = sum(g.tokens != s.tokens for g, s in zip(self.on[0::2], self.on[1::2]))
+    self.assertGreater(differ, 18)
+
+  def test_stats_identities(self):
+    for i, (on, off) in enumerate(zip(self.on, self.off)):
+      s = on.stats
+      self.assertTrue(s.enabled)
+      self.assertEqual(s.verifications, s.target_passes - 1, f"request {i}")
+      self.assertEqual(s.committed_tokens, s.target_passes + s.accepted, f"request {i}")
+      self.assertEqual(s.drafted, s.verifications + s.pending, f"request {i}")
+      self.assertEqual(s.pending, 1)
+      self.assertIn(s.committed_tokens - len(on.tokens), (0, 1))
+      self.assertEqual(off.stats, MtpStats(target_passes=len(off.tokens),
+                                           committed_tokens=len(off.tokens)))
+
+  def test_stats_match_a_replay_of_the_drafts(self):
+    for i, (request, result) in enumerate(zip(self.requests, self.on)):
+      got = {k: getattr(result.stats, k) for k in ("accepted", "rejected", "target_passes",
+                                                  "drafted", "committed_tokens")}
+      self.assertEqual(got, replay_counts(self.model, request.prompt, result.tokens),
+                       f"request {i}")
+
+  def test_accept_rate(self):
+    greedy = MtpStats.total(r.stats for r in self.on[0::2])
+    sampled = MtpStats.total(r.stats for r in self.on[1::2])
+    self.assertGreater(greedy.accept_rate, 0.5)
+    self.assertGreater(greedy.tokens_per_target_pass, 1.4)
+    self.assertGreater(sampled.accepted, 0)    # both branches of the rule ran
+    self.assertGreater(sampled.rejected, 0)
+
+
+class StopAndBudgetTest(parameterized.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    rng = np.random.default_rng(1)
+    cls.prompts = [rng.integers(0, 502, size=int(rng.integers(2, 14))).astype(np.int32)
+                   for _ in range(12)]
+    requests = [Request(prompt=p, max_new_tokens=24) for p in cls.prompts]
+    cls.ref = [r.tokens for r in serve(False, requests)[0]]
+    cls.on_stats = [r.stats for r in serve(True, requests)[0]]
+
+  def first_occurrence(self, *, odd: bool, all_accepted: bool) -> tuple[int, int]:
+    """(prompt, j >= 3) with ref[j] seen first at j; odd j is a t_a when every draft is accepted."""
+    for k, ref in enumerate(self.ref):
+      if all_accepted and self.on_stats[k].rejected:
+        continue
+      for j in range(3, len(ref)):
+        if ref.index(ref[j]) == j and (j % 2 == 1 or not odd):
+          return k, j
+    self.fail("no prompt has a suitable stop token")
+
+  def run_one(self, native_mtp: bool, prompt_index: int, **kwargs):
+    batches = []
+    request = Request(prompt=self.prompts[prompt_index], on_tokens=batches.append, **kwargs)
+    return serve(native_mtp, [request])[0][0], batches
+
+  @parameterized.parameters(True, False)
+  def test_stop_id_is_included_and_finishes_with_stop(self, native_mtp):
+    k, j = self.first_occurrence(odd=False, all_accepted=False)
+    result, batches = self.run_one(native_mtp, k, max_new_tokens=24,
+                                   stop_ids=frozenset({self.ref[k][j]}))
+    self.assertEqual(result.tokens, self.ref[k][:j + 1])
+    self.assertEqual(result.finish_reason, "stop")
+    self.assertEqual(sum(batches, []), result.tokens)
+
+  @parameterized.parameters(True, False)
+  def test_stop_at_the_first_token(self, native_mtp):
+    result, _ = self.run_one(native_mtp, 0, max_new_tokens=24,
+                             stop_ids=frozenset({self.ref[0][0]}))
+    self.assertEqual(result.tokens, self.ref[0][:1])
+    self.assertEqual(result.finish_reason, "stop")
+
+  def test_accepted_pair_whose_first_token_stops_emits_only_it(self):
+    k, j = self.first_occurrence(odd=True, all_accepted=True)
+    result, batches = self.run_one(True, k, max_new_tokens=24,
+                                   stop_ids=frozenset({self.ref[k][j]}))
+    self.assertEqual(result.tokens, self.ref[k][:j + 1])
+    self.assertEqual(result.finish_reason, "stop")
+    self.assertEqual([len(b) for b in batches], [1] + [2] * ((j - 1) // 2) + [1])
+    self.assertEqual(result.stats.rejected, 0)
+    self.assertEqual(result.stats.committed_tokens, len(result.tokens) + 1)
+
+  def test_budget_of_one_left_emits_one_token(self):
+    k, _ = self.first_occurrence(odd=True, all_accepted=True)
+    result, batches = self.run_one(True, k, max_new_tokens=4)
+    self.assertEqual(result.tokens, self.ref[k][:4])
+    self.assertEqual(result.finish_reason, "length")
+    self.assertEqual([len(b) for b in batches], [1, 2, 1])
+    self.assertEqual(result.stats.committed_tokens, 5)
+
+  @parameterized.parameters(True, False)
+  def test_budget_of_one_is_the_prefill_token(self, native_mtp):
+    result, _ = self.run_one(native_mtp, 2, max_new_tokens=1)
+    self.assertEqual(result.tokens, self.ref[2][:1])
+    self.assertEqual(result.finish_reason, "length")
+    self.assertEqual(result.stats.target_passes, 1)
+    self.assertEqual(result.stats.verifications, 0)
+    self.assertEqual(result.stats.drafted, 1 if native_mtp else 0)
+
+  @parameterized.parameters(True, False)
+  def test_cancelled_request_stops(self, native_mtp):
+    seen = []
+    request = Request(prompt=self.prompts[3], max_new_tokens=24, on_tokens=seen.extend,
+                      cancelled=lambda: len(seen) >= 3)
+    result = serve(native_mtp, [request])[0][0]
+    self.assertEqual(result.finish_reason, "cancelled")
+    self.assertBetween(len(result.tokens), 3, 4)
+    self.assertEqual(result.tokens, self.ref[3][:len(result.tokens)])
+
+  def test_zero_budget_is_rejected(self):
+    scheduler = SlotScheduler(engine(True))
+    with self.assertRaises(errors.MtpjaxError) as ctx:
+      scheduler.submit(Request(prompt=self.prompts[0], max_new_tokens=0), lambda r: None)
+    self.assertEqual(ctx.exception.field, "max_new_tokens")
+
+
+if __name__ == "__main__":
+  absltest.main()

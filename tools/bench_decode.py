@@ -1,0 +1,161 @@
+"""Decode benchmark: native MTP off and on over the same prompts, in one process, one JSON line.
+
+Both engines are compiled in a warm-up first, then the measured passes alternate (off, on, off,
+on, ...) so that drift of the machine (clocks, other load) hits both modes alike. Draft and
+verify times come from a separate pass with `engine.timing` on, because timing needs a device
+sync after each half of the step and would slow the measured passes down.
+
+  python -m tools.bench_decode --source=/path/to/model.gguf --new_tokens=64 --prompts=8
+  python -m tools.bench_decode --mtp_copies_trunk     # a generated tiny model (high acceptance)
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import tempfile
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+
+import mtpjax
+from mtpjax import errors
+from mtpjax.engine.generate import Request, Result, SlotScheduler
+from mtpjax.engine.sampling import SamplerParams
+from mtpjax.telemetry import MtpStats
+from mtpjax.testing.tiny_glm import TinyGlmSpec, write_tiny_glm_gguf
+
+_SOURCE = flags.DEFINE_string("source", "", "GGUF or layer package; empty: a generated model")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "tokens generated per prompt")
+_PROMPTS = flags.DEFINE_integer("prompts", 8, "prompts per pass")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 16, "tokens per (random) prompt")
+_SLOTS = flags.DEFINE_integer("slots", 1, "decode slots (batch / concurrency)")
+_MTP_COPIES_TRUNK = flags.DEFINE_bool(
+    "mtp_copies_trunk", False, "generated model only: an MTP head that drafts what the trunk says")
+_SEED = flags.DEFINE_integer("seed", 0, "prompt (and generated model) seed")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "measured (off, on) pairs")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 is greedy")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "nucleus mass")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weight dtype")
+
+_REPORTED_FLAGS = (_SOURCE, _NEW_TOKENS, _PROMPTS, _PROMPT_LEN, _SLOTS, _MTP_COPIES_TRUNK,
+                   _SEED, _ROUNDS, _TEMPERATURE, _TOP_P, _DTYPE)
+
+
+def _pow2_at_least(n: int, minimum: int = 16) -> int:
+  size = minimum
+  while size < n:
+    size *= 2
+  return size
+
+
+def _open_model(tmp: pathlib.Path):
+  """(model, description): the given source, or a generated tiny model written into `tmp`."""
+  if _SOURCE.value:
+    return mtpjax.load(_SOURCE.value, dtype=_DTYPE.value), _SOURCE.value
+  spec = TinyGlmSpec(mtp_copies_trunk=_MTP_COPIES_TRUNK.value, seed=_SEED.value)
+  path = write_tiny_glm_gguf(tmp / "bench-tiny.gguf", spec)[0]
+  return mtpjax.load(str(path), dtype=_DTYPE.value), (
+      f"generated tiny glm4moe (seed={spec.seed}, mtp_copies_trunk={spec.mtp_copies_trunk})")
+
+
+def _requests(prompts: list[np.ndarray], new_tokens: int) -> list[Request]:
+  return [Request(prompt=p, max_new_tokens=new_tokens,
+                  sampler=SamplerParams(_TEMPERATURE.value, 0, _TOP_P.value, seed=_SEED.value + i))
+          for i, p in enumerate(prompts)]
+
+
+def _timed_run(engine, requests: list[Request]) -> tuple[list[Result], float]:
+  start = time.perf_counter()
+  results = SlotScheduler(engine).run(requests)
+  return results, time.perf_counter() - start
+
+
+def _latency_ms(results: list[Result]) -> dict:
+  """Mean time to first token and mean time per later token, in milliseconds."""
+  ttft = [r.time_to_first_token_s for r in results]
+  tpot = [(r.total_time_s - r.time_to_first_token_s) / (len(r.tokens) - 1)
+          for r in results if len(r.tokens) > 1]
+  return {"ttft_ms": 1e3 * float(np.mean(ttft)),
+          "tpot_ms": 1e3 * float(np.mean(tpot)) if tpot else 0.0}
+
+
+def main(argv):
+  del argv
+  for flag in (_NEW_TOKENS, _PROMPTS, _PROMPT_LEN, _SLOTS, _ROUNDS):
+    if flag.value < 1:
+      raise app.UsageError(f"--{flag.name} must be >= 1, got {flag.value}")
+  with tempfile.TemporaryDirectory(prefix="bench_decode.") as tmp:
+    start = time.perf_counter()
+    model, source = _open_model(pathlib.Path(tmp))
+    load_s = time.perf_counter() - start
+    resolution = model.resolve("native-mtp-n1")   # fails loudly on a source without proof
+    if not resolution.native_mtp:
+      raise errors.SpeculativeConfigError(
+          f"native MTP is off for this source: {resolution.reason}", field="speculative",
+          remedy="unset MTPJAX_NATIVE_MTP to compare MTP on against MTP off")
+
+    bucket = _pow2_at_least(_PROMPT_LEN.value + 1)
+    max_len = max(_PROMPT_LEN.value + _NEW_TOKENS.value + 1, bucket - 2)
+    engine_kwargs = dict(slots=_SLOTS.value, max_len=max_len, prefill_buckets=(bucket,))
+    engines = {mode: model.engine(native_mtp=mode == "on", **engine_kwargs)
+               for mode in ("off", "on")}
+    engines["timing"] = model.engine(native_mtp=True, timing=True, **engine_kwargs)
+
+    rng = np.random.default_rng(_SEED.value)
+    prompts = [rng.integers(0, model.config.vocab_size, size=_PROMPT_LEN.value).astype(np.int32)
+               for _ in range(_PROMPTS.value)]
+    requests = _requests(prompts, _NEW_TOKENS.value)
+
+    compile_s = {}
+    for mode, engine in engines.items():   # compiles prefill, insert and the step
+      compile_s[mode] = _timed_run(engine, _requests(prompts[:1], 4))[1]
+
+    seconds = {"off": 0.0, "on": 0.0}
+    tokens = {"off": 0, "on": 0}
+    last: dict[str, list[Result]] = {}
+    identical = True
+    for _ in range(_ROUNDS.value):
+      for mode in ("off", "on"):
+        results, elapsed = _timed_run(engines[mode], requests)
+        seconds[mode] += elapsed
+        tokens[mode] += sum(len(r.tokens) for r in results)
+        last[mode] = results
+      identical &= all(a.tokens == b.tokens for a, b in zip(last["off"], last["on"]))
+
+    timed, _ = _timed_run(engines["timing"], requests)
+    timing = MtpStats.total(r.stats for r in timed)
+    # Each live request adds its step's duration and one verification, so this ratio is the
+    # occupancy-weighted mean duration of one step's draft / verify half.
+    per_step = max(timing.verifications, 1) * 1e3
+    stats = MtpStats.total(r.stats for r in last["on"])
+    rate = {mode: tokens[mode] / seconds[mode] for mode in seconds}
+    device = jax.devices()[0]
+    line = {
+        "flags": {flag.name: flag.value for flag in _REPORTED_FLAGS},
+        "source": source,
+        "device": f"{device.platform}:{device.device_kind}",
+        "model": {"vocab": model.config.vocab_size, "hidden": model.config.hidden,
+                  "layers": model.config.n_layers},
+        "tokens_per_s_off": rate["off"],
+        "tokens_per_s_on": rate["on"],
+        "speedup": rate["on"] / rate["off"],
+        "accept_rate": stats.accept_rate,
+        "tokens_per_target_pass": stats.tokens_per_target_pass,
+        "ideal_speedup": 1.0 + stats.accept_rate,
+        "draft_ms_per_step": timing.proposal_compute_us / per_step,
+        "verify_ms_per_step": timing.verification_compute_us / per_step,
+        "latency_off": _latency_ms(last["off"]),
+        "latency_on": _latency_ms(last["on"]),
+        "outputs_identical": identical,
+        "load_s": load_s,
+        "compile_s": compile_s,
+        "native_mtp": timing.as_dict(),   # the timing pass: same counters, durations filled
+    }
+    print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
