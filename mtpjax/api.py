@@ -20,7 +20,7 @@ from flax import nnx
 
 from mtpjax import checkpoint, loading, sharding, speculative
 from mtpjax.engine.decode import Engine, EngineConfig
-from mtpjax.engine.generate import Request, Result, SlotScheduler
+from mtpjax.engine.generate import AdaptiveDrafting, Request, Result, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.models.config import ModelConfig, config_from_gguf
 from mtpjax.models.glm4_moe import StageLayout, init_kv
@@ -187,8 +187,13 @@ class Model:
 
   def generate(self, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids=(),
-               speculative: str | None = None, timing: bool = False) -> Result:
-    """Decode one prompt; `Result.tokens` and `Result.stats` (MTP counters)."""
+               speculative: str | None = None, timing: bool = False,
+               adaptive_drafting: bool = True) -> Result:
+    """Decode one prompt; `Result.tokens` and `Result.stats` (MTP counters).
+
+    With `adaptive_drafting`, MTP pauses while its drafts keep being rejected (see
+    `AdaptiveDrafting`); the tokens are the same either way.
+    """
     resolution = self.resolve(speculative)
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     max_len = max(128, _bucket(prompt.size + max_new_tokens + 1))
@@ -196,7 +201,8 @@ class Model:
     request = Request(prompt=prompt, max_new_tokens=int(max_new_tokens),
                       sampler=SamplerParams(temperature, top_k, top_p, seed),
                       stop_ids=frozenset(int(t) for t in stop_ids))
-    return SlotScheduler(engine).run([request])[0]
+    policy = AdaptiveDrafting() if adaptive_drafting else None
+    return SlotScheduler(engine, adaptive=policy).run([request])[0]
 
 
 def _open(source_path):

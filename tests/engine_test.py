@@ -17,7 +17,7 @@ from flax import nnx
 
 import mtpjax
 from mtpjax.engine.decode import ACCEPTED, COUNT, TOKEN_A, TOKEN_B
-from mtpjax.engine.generate import Request, SlotScheduler
+from mtpjax.engine.generate import AdaptiveDrafting, Request, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.models.glm4_moe import init_kv
 from mtpjax.testing.tiny_glm import TinyGlmSpec, write_tiny_glm_gguf
@@ -70,15 +70,26 @@ class FixtureTest(parameterized.TestCase):
   @parameterized.parameters("disabled", "native-mtp-n1")
   def test_greedy_matches_transformers(self, strategy):
     result = self.model.generate(self.ref["prompt_ids"], max_new_tokens=32,
-                                 speculative=strategy)
+                                 speculative=strategy, adaptive_drafting=False)
     self.assertEqual(result.tokens, self.ref["greedy_ids"].tolist())
     self.assertEqual(result.finish_reason, "length")
     self.assertEqual(result.stats.native_mtp, strategy != "disabled")
     self.assertEqual(result.stats.drafted, 32 if strategy != "disabled" else 0)
 
+  def test_adaptive_drafting_pauses_a_rejected_head_and_keeps_tokens(self):
+    """The fixture's random head is always rejected: after one window the slot stops drafting."""
+    result = self.model.generate(self.ref["prompt_ids"], max_new_tokens=32,
+                                 speculative="native-mtp-n1")
+    self.assertEqual(result.tokens, self.ref["greedy_ids"].tolist())
+    window = AdaptiveDrafting().window
+    self.assertEqual(result.stats.verifications, window)
+    self.assertEqual(result.stats.pending, 0)
+    self.assertEqual(result.stats.target_passes, 32)
+
   def test_timing_mode_keeps_tokens_and_fills_durations(self):
     result = self.model.generate(self.ref["prompt_ids"], max_new_tokens=12,
-                                 speculative="native-mtp-n1", timing=True)
+                                 speculative="native-mtp-n1", timing=True,
+                                 adaptive_drafting=False)
     self.assertEqual(result.tokens, self.ref["greedy_ids"][:12].tolist())
     self.assertGreater(result.stats.proposal_compute_us, 0)
     self.assertGreater(result.stats.verification_compute_us, 0)
@@ -166,7 +177,8 @@ class MtpEngineTest(parameterized.TestCase):
     cls.tmp.cleanup()
     super().tearDownClass()
 
-  def check_state_against_scratch(self, state, slot: int, committed: list[int]):
+  def check_state_against_scratch(self, state, slot: int, committed: list[int],
+                                  check_draft: bool = True):
     """pos/current/h_prev/draft and the KV rows a query can see, against from-scratch passes."""
     pos = int(state.pos[slot])
     self.assertEqual(len(committed), pos + 1, "pos must index the last committed token")
@@ -184,7 +196,8 @@ class MtpEngineTest(parameterized.TestCase):
                                 ("v", state.mtp_kv[1], mtp_kv[1])):
       np.testing.assert_allclose(cached[slot, :pos + 1], fresh[0, :pos + 1], atol=ATOL,
                                  rtol=ATOL, err_msg=f"MTP {name} rows 0..{pos}")
-    self.assertEqual(int(state.draft[slot]), int(np.argmax(mtp_logits[0, pos])))
+    if check_draft:
+      self.assertEqual(int(state.draft[slot]), int(np.argmax(mtp_logits[0, pos])))
 
   def test_forced_rejections_keep_output_and_mtp_kv(self):
     """Drafts injected into the state: wrong ones (rejected), right ones (accepted), natural."""
@@ -217,6 +230,35 @@ class MtpEngineTest(parameterized.TestCase):
     for slot in range(2):
       self.assertEqual(emitted[slot], self.reference[slot][:len(emitted[slot])])
     self.assertEqual(outcomes, {"reject": 9, "accept": 10})
+
+  def test_paused_drafting_keeps_mtp_kv_and_output(self):
+    """Steps without drafting (the adaptive policy's cheap step, then a mixed batch) keep the
+    MTP KV complete, so drafting resumes with exactly the state a never-paused run has."""
+    engine = self.on
+    state = engine.init_state()
+    emitted = [[], []]
+    for slot, prompt in enumerate(self.prompts):
+      prefix = engine.prefill(prompt, SamplerParams())
+      state = engine.insert(prefix, state, slot)
+      emitted[slot].append(int(prefix.current[0]))
+    active = np.ones(2, bool)
+    schedule = [(False, False)] * 4 + [(True, False)] * 3 + [(True, True)] * 3
+    for drafting in schedule:
+      traces = dict(engine.trace_counts)
+      state, result, _ = engine.step(state, active, np.asarray(drafting))
+      if not any(drafting):
+        self.assertEqual(engine.trace_counts.get("verify_draft"), traces.get("verify_draft"))
+      for slot in range(2):
+        row = result[slot]
+        if not drafting[slot]:
+          self.assertEqual((row[COUNT], row[ACCEPTED]), (1, 0))
+        emitted[slot] += [int(row[TOKEN_A])] + ([int(row[TOKEN_B])] if row[COUNT] == 2 else [])
+        fresh_draft = drafting[slot] or any(drafting)
+        self.check_state_against_scratch(state, slot, list(self.prompts[slot]) + emitted[slot],
+                                         check_draft=fresh_draft)
+    self.assertEqual(engine.trace_counts["maintain"], 1)
+    for slot in range(2):
+      self.assertEqual(emitted[slot], self.reference[slot][:len(emitted[slot])])
 
   def test_prefill_state_matches_scratch(self):
     state = self.on.init_state()

@@ -14,7 +14,7 @@ from absl.testing import absltest, parameterized
 
 import mtpjax
 from mtpjax import errors
-from mtpjax.engine.generate import Request, SlotScheduler
+from mtpjax.engine.generate import AdaptiveDrafting, Request, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.telemetry import MtpStats
 from mtpjax.testing.tiny_glm import TinyGlmSpec, write_tiny_glm_gguf
@@ -39,8 +39,9 @@ def engine(native_mtp: bool, slots: int = SLOTS):
                                 prefill_buckets=(16,))
 
 
-def serve(native_mtp: bool, requests, slots: int = SLOTS):
-  scheduler = SlotScheduler(engine(native_mtp, slots))
+def serve(native_mtp: bool, requests, slots: int = SLOTS, adaptive=None):
+  """Without an adaptive policy every step drafts, so the counters follow the plain rule."""
+  scheduler = SlotScheduler(engine(native_mtp, slots), adaptive=adaptive)
   return scheduler.run(requests), scheduler
 
 
@@ -78,6 +79,8 @@ class ContinuousBatchingTest(absltest.TestCase):
       cls.requests.append(Request(prompt=prompt, max_new_tokens=budget,
                                   sampler=SamplerParams(**SAMPLED, seed=i)))
     cls.on, cls.on_scheduler = serve(True, cls.requests)
+    cls.adaptive, _ = serve(True, cls.requests,
+                            adaptive=AdaptiveDrafting(window=4, min_accept_rate=0.9, cooldown=3))
     cls.off, _ = serve(False, cls.requests)
     cls.alone = [serve(False, [r], slots=1)[0][0] for r in cls.requests]
 
@@ -85,6 +88,18 @@ class ContinuousBatchingTest(absltest.TestCase):
     for i, (on, off) in enumerate(zip(self.on, self.off)):
       self.assertEqual(on.tokens, off.tokens, f"request {i}")
       self.assertEqual(on.finish_reason, off.finish_reason, f"request {i}")
+
+  def test_adaptive_drafting_keeps_outputs_and_counters_consistent(self):
+    paused = 0
+    for i, (adaptive, off) in enumerate(zip(self.adaptive, self.off)):
+      self.assertEqual(adaptive.tokens, off.tokens, f"request {i}")
+      s = adaptive.stats
+      self.assertLessEqual(s.verifications, s.target_passes - 1, f"request {i}")
+      self.assertEqual(s.committed_tokens, s.target_passes + s.accepted, f"request {i}")
+      self.assertEqual(s.drafted, s.verifications + s.pending, f"request {i}")
+      self.assertIn(s.pending, (0, 1))
+      paused += s.verifications < s.target_passes - 1
+    self.assertGreater(paused, 0)    # the strict policy paused some slots
 
   def test_batching_does_not_change_outputs(self):
     self.assertEqual(max(self.on_scheduler.occupancy_samples), 1.0)   # all 4 slots were busy

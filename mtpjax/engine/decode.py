@@ -103,6 +103,8 @@ class Engine:
       self._draft = jax.jit(self._counted("draft", self._draft_fn), donate_argnames=("state",))
       self._fused = jax.jit(self._counted("verify_draft", self._fused_fn),
                             donate_argnames=("state",))
+      self._maintain = jax.jit(self._counted("maintain", self._maintain_fn),
+                               donate_argnames=("state",))
     else:
       self._decode = jax.jit(self._counted("decode", self._decode_fn), donate_argnames=("state",))
 
@@ -167,20 +169,32 @@ class Engine:
 
   # --- steps --------------------------------------------------------------------------------
 
-  def step(self, state: DecodeState, active: np.ndarray) -> tuple[DecodeState, np.ndarray, dict]:
-    """One decode step for every slot; returns the new state, ResultTokens and timings (us)."""
+  def step(self, state: DecodeState, active: np.ndarray, drafting: np.ndarray | None = None
+           ) -> tuple[DecodeState, np.ndarray, dict]:
+    """One decode step for every slot; returns the new state, ResultTokens and timings (us).
+
+    With native MTP, `drafting` [B] says which slots use their draft this step (None: all).
+    A slot that does not draft only commits the target's token, so its output is unchanged;
+    when no active slot drafts, a cheaper step decodes one position and only keeps the MTP
+    KV cache in step (no second position, no MTP head).
+    """
     active = jnp.asarray(active, bool)
     if not self.engine_cfg.native_mtp:
       state, result = self._decode(self.params, state, active)
       return state, np.asarray(result), {}
+    drafting = np.ones(active.shape, bool) if drafting is None else np.asarray(drafting, bool)
+    if not drafting[np.asarray(active)].any():
+      state, result = self._maintain(self.params, state, active)
+      return state, np.asarray(result), {}
+    drafting = jnp.asarray(drafting)
     if not self.engine_cfg.timing:
-      state, result = self._fused(self.params, state, active)
+      state, result = self._fused(self.params, state, active, drafting)
       return state, np.asarray(result), {}
     start = time.perf_counter()
     state, verified = self._verify(self.params, state, active)
     jax.block_until_ready(verified)
     mid = time.perf_counter()
-    state, result = self._draft(self.params, state, verified, active)
+    state, result = self._draft(self.params, state, verified, active, drafting)
     result = np.asarray(result)
     end = time.perf_counter()
     return state, result, {"verification_compute_us": int((mid - start) * 1e6),
@@ -200,12 +214,19 @@ class Engine:
         *step_inputs(state.current, state.draft, state.pos, native_mtp=True), state.kv)
     return state.replace(kv=kv), verify_tokens(model, state, hidden)
 
-  def _draft_fn(self, params, state: DecodeState, verified, active):
-    return draft_commit(nnx.merge(self.graphdef, params), state, verified, active)
+  def _draft_fn(self, params, state: DecodeState, verified, active, drafting):
+    return draft_commit(nnx.merge(self.graphdef, params), state, verified, active, drafting)
 
-  def _fused_fn(self, params, state: DecodeState, active):
+  def _fused_fn(self, params, state: DecodeState, active, drafting):
     state, verified = self._verify_fn(params, state, active)
-    return self._draft_fn(params, state, verified, active)
+    return self._draft_fn(params, state, verified, active, drafting)
+
+  def _maintain_fn(self, params, state: DecodeState, active):
+    """Plain decode that still writes the committed token's MTP KV row (no MTP head)."""
+    model = nnx.merge(self.graphdef, params)
+    hidden, kv = model.forward(
+        *step_inputs(state.current, state.draft, state.pos, native_mtp=False), state.kv)
+    return mtp_maintain_commit(model, state.replace(kv=kv), hidden, active)
 
 
 # --- head-side step logic ---------------------------------------------------------------------
@@ -265,10 +286,16 @@ def verify_tokens(model, state: DecodeState, hidden) -> tuple[jax.Array, jax.Arr
   return token_a, token_b, hidden
 
 
-def draft_commit(model, state: DecodeState, verified, active) -> tuple[DecodeState, jax.Array]:
-  """MTP pass over the two new rows, then commit one or two tokens per slot."""
+def draft_commit(model, state: DecodeState, verified, active,
+                 drafting=None) -> tuple[DecodeState, jax.Array]:
+  """MTP pass over the two new rows, then commit one or two tokens per slot.
+
+  A slot outside `drafting` never accepts: it commits only the target's own token.
+  """
   token_a, token_b, hidden = verified
   accept = token_a == state.draft
+  if drafting is not None:
+    accept = accept & drafting
   rows = jnp.stack([token_a, token_b], axis=1)
   positions = state.pos[:, None] + jnp.arange(1, 3, dtype=jnp.int32)[None]
   z, mtp_kv = model.mtp_hidden(rows, hidden, positions, state.mtp_kv)
@@ -283,3 +310,16 @@ def draft_commit(model, state: DecodeState, verified, active) -> tuple[DecodeSta
       draft=keep(jnp.where(accept, drafts[:, 1], drafts[:, 0]), state.draft),
       h_prev=keep(jnp.where(accept[:, None], hidden[:, 1], hidden[:, 0]), state.h_prev))
   return state, result
+
+
+def mtp_maintain_commit(model, state: DecodeState, hidden,
+                        active) -> tuple[DecodeState, jax.Array]:
+  """Commit one sampled token per slot and write its MTP KV row (t, h_pos) at pos + 1.
+
+  The MTP KV must hold a row for every committed position, so drafting can resume at any
+  step; the draft itself is left as it was (a stale draft is only ever rejected).
+  """
+  committed, result = decode_commit(model, state, hidden, active)
+  _, mtp_kv = model.mtp_hidden(committed.current[:, None], hidden, state.pos[:, None] + 1,
+                               state.mtp_kv)
+  return committed.replace(mtp_kv=mtp_kv), result

@@ -41,6 +41,19 @@ class Result:
   total_time_s: float
 
 
+@dataclasses.dataclass(frozen=True)
+class AdaptiveDrafting:
+  """Per-slot drafting policy: a slot whose recent drafts are mostly rejected stops drafting.
+
+  After `window` verified drafts with an accept rate below `min_accept_rate`, the slot commits
+  plain target tokens for `cooldown` steps, then drafts again. When no slot drafts, the engine
+  runs its cheaper one-position step, so MTP does not cost more than MTP off for long.
+  """
+  window: int = 8
+  min_accept_rate: float = 0.3
+  cooldown: int = 32
+
+
 @dataclasses.dataclass
 class _Live:
   request: Request
@@ -49,13 +62,20 @@ class _Live:
   tokens: list[int] = dataclasses.field(default_factory=list)
   counts: dict = dataclasses.field(default_factory=lambda: collections.Counter())
   first_token_s: float = 0.0
+  recent: collections.deque = dataclasses.field(default_factory=collections.deque)
+  paused_steps: int = 0           # steps left without drafting
+
+  @property
+  def drafting(self) -> bool:
+    return self.paused_steps == 0
 
 
 class SlotScheduler:
   """Runs requests over the engine's slots until all are done."""
 
-  def __init__(self, engine: Engine):
+  def __init__(self, engine: Engine, adaptive: AdaptiveDrafting | None = AdaptiveDrafting()):
     self.engine = engine
+    self.adaptive = adaptive
     self.state = engine.init_state()
     self.slots: list[_Live | None] = [None] * engine.engine_cfg.slots
     self.waiting: collections.deque[tuple[Request, Callable[[Result], None]]] = (
@@ -87,8 +107,6 @@ class SlotScheduler:
       live = _Live(request=request, done=done, started=started)
       live.counts["target_passes"] += 1
       live.counts["committed_tokens"] += 1
-      if self.native_mtp:
-        live.counts["drafted"] += 1
       first = int(np.asarray(prefix.current)[0])
       live.first_token_s = time.perf_counter() - started
       self.slots[index] = live
@@ -123,6 +141,8 @@ class SlotScheduler:
     live = self.slots[index]
     self.slots[index] = None
     c = live.counts
+    if self.native_mtp and live.drafting:
+      c["drafted"] += 1             # the last draft, dropped unverified
     stats = MtpStats.from_counts(
         native_mtp=self.native_mtp, drafted=c["drafted"], accepted=c["accepted"],
         rejected=c["rejected"], target_passes=c["target_passes"],
@@ -140,7 +160,11 @@ class SlotScheduler:
     if not active.any():
       return
     self.occupancy_samples.append(float(active.mean()))
-    self.state, result, timing = self.engine.step(self.state, active)
+    drafting = np.array([s is not None and s.drafting for s in self.slots])
+    if self.native_mtp:
+      self.state, result, timing = self.engine.step(self.state, active, drafting)
+    else:
+      self.state, result, timing = self.engine.step(self.state, active)
     for index, live in enumerate(self.slots):
       if live is None:
         continue
@@ -150,12 +174,30 @@ class SlotScheduler:
       c["target_passes"] += 1
       c["committed_tokens"] += count
       if self.native_mtp:
-        c["accepted" if row[ACCEPTED] else "rejected"] += 1
-        c["drafted"] += 1
-        c["proposal_us"] += timing.get("proposal_compute_us", 0)
-        c["verification_us"] += timing.get("verification_compute_us", 0)
+        self._account_draft(live, drafting[index], bool(row[ACCEPTED]), timing)
       tokens = [int(row[TOKEN_A])] + ([int(row[TOKEN_B])] if count == 2 else [])
       self._emit(index, tokens)
+
+  def _account_draft(self, live: _Live, drafted: bool, accepted: bool, timing: dict) -> None:
+    """Count a verified draft and apply the adaptive policy to the slot."""
+    c = live.counts
+    c["proposal_us"] += timing.get("proposal_compute_us", 0)
+    c["verification_us"] += timing.get("verification_compute_us", 0)
+    if not drafted:
+      live.paused_steps -= 1
+      return
+    c["drafted"] += 1
+    c["accepted" if accepted else "rejected"] += 1
+    policy = self.adaptive
+    if policy is None:
+      return
+    live.recent.append(accepted)
+    if len(live.recent) > policy.window:
+      live.recent.popleft()
+    if (len(live.recent) == policy.window
+        and sum(live.recent) < policy.min_accept_rate * policy.window):
+      live.paused_steps = policy.cooldown
+      live.recent.clear()
 
   def run(self, requests: Iterable[Request]) -> list[Result]:
     """Generate every request to completion; results in request order."""

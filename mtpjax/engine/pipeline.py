@@ -240,7 +240,7 @@ class PipelinedEngine:
 
   # --- steps --------------------------------------------------------------------------------
 
-  def _step_fn(self, s: int, params, inp, kv, control, active):
+  def _step_fn(self, s: int, params, inp, kv, control, active, drafting):
     """Stage `s` of one decode/verify step for one group; the last stage commits tokens."""
     model = nnx.merge(self.graphdefs[s], params)
     layout = self.layouts[s]
@@ -256,15 +256,19 @@ class PipelinedEngine:
     hidden = model.final_norm(x)
     if mtp:
       verified = decode.verify_tokens(model, control, hidden)
-      control, result = decode.draft_commit(model, control, verified, active)
+      control, result = decode.draft_commit(model, control, verified, active, drafting)
     else:
       control, result = decode.decode_commit(model, control, hidden, active)
     return (control, result), kv
 
-  def step(self, state: PipelineState, active: np.ndarray) -> tuple[PipelineState, np.ndarray,
-                                                                     dict]:
-    """One step for every slot, group after group; dispatch is asynchronous, so stages overlap."""
+  def step(self, state: PipelineState, active: np.ndarray, drafting: np.ndarray | None = None
+           ) -> tuple[PipelineState, np.ndarray, dict]:
+    """One step for every slot, group after group; dispatch is asynchronous, so stages overlap.
+
+    `drafting` [B] (native MTP) says which slots use their draft, as in `Engine.step`.
+    """
     active = np.asarray(active, bool)
+    drafting = np.ones_like(active) if drafting is None else np.asarray(drafting, bool)
     width = 2 if self.engine_cfg.native_mtp else 1
     results = []
     for (lo, hi), group in zip(self.bounds, state.groups):
@@ -278,11 +282,12 @@ class PipelinedEngine:
         if not self.hops.local(s):
           continue
         if s < self.last:
-          out, group.kv[s] = self._step[s](self.params[s], out, group.kv[s], None, None)
+          out, group.kv[s] = self._step[s](self.params[s], out, group.kv[s], None, None, None)
         else:
           act = jax.device_put(active[lo:hi], self.hops.shardings[s])
+          draft_mask = jax.device_put(drafting[lo:hi], self.hops.shardings[s])
           (group.control, result), group.kv[s] = self._step[s](
-              self.params[s], out, group.kv[s], group.control, act)
+              self.params[s], out, group.kv[s], group.control, act, draft_mask)
           results.append(result)
     shared = [self.hops.share(results[i] if results else None, self.last, like=_ints(hi - lo, 4))
               for i, (lo, hi) in enumerate(self.bounds)]
