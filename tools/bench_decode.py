@@ -7,6 +7,11 @@ sync after each half of the step and would slow the measured passes down.
 
   python -m tools.bench_decode --source=/path/to/model.gguf --new_tokens=64 --prompts=8
   python -m tools.bench_decode --mtp_copies_trunk     # a generated tiny model (high acceptance)
+  python -m tools.bench_decode --source=mtpjax/assets/glm-demo --slots=1,8
+
+The ideal speedup of one draft token is (1 + accept rate) / (1 + c_draft), where c_draft is the
+measured draft time over the time of a plain (MTP off) step; `achieved_fraction` is the measured
+speedup over that ideal.
 """
 
 from __future__ import annotations
@@ -24,24 +29,30 @@ import mtpjax
 from mtpjax import errors
 from mtpjax.engine.generate import Request, Result, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
+from mtpjax.gguf.tokenizer import GgufTokenizer
 from mtpjax.telemetry import MtpStats
+from mtpjax.testing.corpus import held_out_prompts
 from mtpjax.testing.tiny_glm import TinyGlmSpec, write_tiny_glm_gguf
 
 _SOURCE = flags.DEFINE_string("source", "", "GGUF or layer package; empty: a generated model")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "tokens generated per prompt")
 _PROMPTS = flags.DEFINE_integer("prompts", 8, "prompts per pass")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 16, "tokens per (random) prompt")
-_SLOTS = flags.DEFINE_integer("slots", 1, "decode slots (batch / concurrency)")
+_SLOTS = flags.DEFINE_list("slots", ["1"], "decode slots (batch / concurrency); one JSON line "
+                           "per value, e.g. --slots=1,8")
 _MTP_COPIES_TRUNK = flags.DEFINE_bool(
     "mtp_copies_trunk", False, "generated model only: an MTP head that drafts what the trunk says")
 _SEED = flags.DEFINE_integer("seed", 0, "prompt (and generated model) seed")
+_PROMPTS_FROM = flags.DEFINE_enum(
+    "prompts_from", "random", ["random", "held_out"],
+    "random token ids, or text cut from the held-out standard-library corpus (trained models)")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "measured (off, on) pairs")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 is greedy")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "nucleus mass")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weight dtype")
 
 _REPORTED_FLAGS = (_SOURCE, _NEW_TOKENS, _PROMPTS, _PROMPT_LEN, _SLOTS, _MTP_COPIES_TRUNK,
-                   _SEED, _ROUNDS, _TEMPERATURE, _TOP_P, _DTYPE)
+                   _SEED, _PROMPTS_FROM, _ROUNDS, _TEMPERATURE, _TOP_P, _DTYPE)
 
 
 def _pow2_at_least(n: int, minimum: int = 16) -> int:
@@ -67,6 +78,16 @@ def _requests(prompts: list[np.ndarray], new_tokens: int) -> list[Request]:
           for i, p in enumerate(prompts)]
 
 
+def _prompts(model) -> list[np.ndarray]:
+  if _PROMPTS_FROM.value == "held_out":
+    tokenizer = GgufTokenizer.from_metadata(model.metadata)
+    return [np.asarray(p, np.int32) for p in held_out_prompts(
+        tokenizer.encode, _PROMPTS.value, _PROMPT_LEN.value, seed=_SEED.value)]
+  rng = np.random.default_rng(_SEED.value)
+  return [rng.integers(0, model.config.vocab_size, size=_PROMPT_LEN.value).astype(np.int32)
+          for _ in range(_PROMPTS.value)]
+
+
 def _timed_run(engine, requests: list[Request]) -> tuple[list[Result], float]:
   start = time.perf_counter()
   results = SlotScheduler(engine).run(requests)
@@ -84,9 +105,15 @@ def _latency_ms(results: list[Result]) -> dict:
 
 def main(argv):
   del argv
-  for flag in (_NEW_TOKENS, _PROMPTS, _PROMPT_LEN, _SLOTS, _ROUNDS):
+  for flag in (_NEW_TOKENS, _PROMPTS, _PROMPT_LEN, _ROUNDS):
     if flag.value < 1:
       raise app.UsageError(f"--{flag.name} must be >= 1, got {flag.value}")
+  try:
+    slot_counts = [int(v) for v in _SLOTS.value]
+  except ValueError as exc:
+    raise app.UsageError(f"--slots takes integers, got {_SLOTS.value}") from exc
+  if not slot_counts or min(slot_counts) < 1:
+    raise app.UsageError(f"--slots values must be >= 1, got {_SLOTS.value}")
   with tempfile.TemporaryDirectory(prefix="bench_decode.") as tmp:
     start = time.perf_counter()
     model, source = _open_model(pathlib.Path(tmp))
@@ -97,64 +124,77 @@ def main(argv):
           f"native MTP is off for this source: {resolution.reason}", field="speculative",
           remedy="unset MTPJAX_NATIVE_MTP to compare MTP on against MTP off")
 
-    bucket = _pow2_at_least(_PROMPT_LEN.value + 1)
-    max_len = max(_PROMPT_LEN.value + _NEW_TOKENS.value + 1, bucket - 2)
-    engine_kwargs = dict(slots=_SLOTS.value, max_len=max_len, prefill_buckets=(bucket,))
-    engines = {mode: model.engine(native_mtp=mode == "on", **engine_kwargs)
-               for mode in ("off", "on")}
-    engines["timing"] = model.engine(native_mtp=True, timing=True, **engine_kwargs)
+    for slots in slot_counts:
+      print(json.dumps(_measure(model, source, load_s, slots)), flush=True)
 
-    rng = np.random.default_rng(_SEED.value)
-    prompts = [rng.integers(0, model.config.vocab_size, size=_PROMPT_LEN.value).astype(np.int32)
-               for _ in range(_PROMPTS.value)]
-    requests = _requests(prompts, _NEW_TOKENS.value)
 
-    compile_s = {}
-    for mode, engine in engines.items():   # compiles prefill, insert and the step
-      compile_s[mode] = _timed_run(engine, _requests(prompts[:1], 4))[1]
+def _measure(model, source: str, load_s: float, slots: int) -> dict:
+  """MTP off and on, alternating, at one slot count; returns the JSON line."""
+  bucket = _pow2_at_least(_PROMPT_LEN.value + 1)
+  max_len = max(_PROMPT_LEN.value + _NEW_TOKENS.value + 1, bucket - 2)
+  engine_kwargs = dict(slots=slots, max_len=max_len, prefill_buckets=(bucket,))
+  engines = {mode: model.engine(native_mtp=mode == "on", **engine_kwargs)
+             for mode in ("off", "on")}
+  engines["timing"] = model.engine(native_mtp=True, timing=True, **engine_kwargs)
 
-    seconds = {"off": 0.0, "on": 0.0}
-    tokens = {"off": 0, "on": 0}
-    last: dict[str, list[Result]] = {}
-    identical = True
-    for _ in range(_ROUNDS.value):
-      for mode in ("off", "on"):
-        results, elapsed = _timed_run(engines[mode], requests)
-        seconds[mode] += elapsed
-        tokens[mode] += sum(len(r.tokens) for r in results)
-        last[mode] = results
-      identical &= all(a.tokens == b.tokens for a, b in zip(last["off"], last["on"]))
+  prompts = _prompts(model)
+  requests = _requests(prompts, _NEW_TOKENS.value)
 
-    timed, _ = _timed_run(engines["timing"], requests)
-    timing = MtpStats.total(r.stats for r in timed)
-    # Each live request adds its step's duration and one verification, so this ratio is the
-    # occupancy-weighted mean duration of one step's draft / verify half.
-    per_step = max(timing.verifications, 1) * 1e3
-    stats = MtpStats.total(r.stats for r in last["on"])
-    rate = {mode: tokens[mode] / seconds[mode] for mode in seconds}
-    device = jax.devices()[0]
-    line = {
-        "flags": {flag.name: flag.value for flag in _REPORTED_FLAGS},
-        "source": source,
-        "device": f"{device.platform}:{device.device_kind}",
-        "model": {"vocab": model.config.vocab_size, "hidden": model.config.hidden,
-                  "layers": model.config.n_layers},
-        "tokens_per_s_off": rate["off"],
-        "tokens_per_s_on": rate["on"],
-        "speedup": rate["on"] / rate["off"],
-        "accept_rate": stats.accept_rate,
-        "tokens_per_target_pass": stats.tokens_per_target_pass,
-        "ideal_speedup": 1.0 + stats.accept_rate,
-        "draft_ms_per_step": timing.proposal_compute_us / per_step,
-        "verify_ms_per_step": timing.verification_compute_us / per_step,
-        "latency_off": _latency_ms(last["off"]),
-        "latency_on": _latency_ms(last["on"]),
-        "outputs_identical": identical,
-        "load_s": load_s,
-        "compile_s": compile_s,
-        "native_mtp": timing.as_dict(),   # the timing pass: same counters, durations filled
-    }
-    print(json.dumps(line), flush=True)
+  compile_s = {}
+  for mode, engine in engines.items():   # compiles prefill, insert and the step
+    compile_s[mode] = _timed_run(engine, _requests(prompts[:1], 4))[1]
+
+  seconds = {"off": 0.0, "on": 0.0}
+  tokens = {"off": 0, "on": 0}
+  last: dict[str, list[Result]] = {}
+  identical = True
+  for _ in range(_ROUNDS.value):
+    for mode in ("off", "on"):
+      results, elapsed = _timed_run(engines[mode], requests)
+      seconds[mode] += elapsed
+      tokens[mode] += sum(len(r.tokens) for r in results)
+      last[mode] = results
+    identical &= all(a.tokens == b.tokens for a, b in zip(last["off"], last["on"]))
+
+  timed, _ = _timed_run(engines["timing"], requests)
+  timing = MtpStats.total(r.stats for r in timed)
+  # Each live request adds its step's duration and one verification, so this ratio is the
+  # occupancy-weighted mean duration of one step's draft / verify half.
+  per_step = max(timing.verifications, 1) * 1e3
+  stats = MtpStats.total(r.stats for r in last["on"])
+  rate = {mode: tokens[mode] / seconds[mode] for mode in seconds}
+  latency_off = _latency_ms(last["off"])
+  draft_ms = timing.proposal_compute_us / per_step
+  c_draft = draft_ms / latency_off["tpot_ms"] if latency_off["tpot_ms"] else 0.0
+  ideal = (1.0 + stats.accept_rate) / (1.0 + c_draft)
+  device = jax.devices()[0]
+  line = {
+      "flags": {flag.name: flag.value for flag in _REPORTED_FLAGS},
+      "slots": slots,
+      "source": source,
+      "device": f"{device.platform}:{device.device_kind}",
+      "model": {"vocab": model.config.vocab_size, "hidden": model.config.hidden,
+                "layers": model.config.n_layers},
+      "tokens_per_s_off": rate["off"],
+      "tokens_per_s_on": rate["on"],
+      "speedup": rate["on"] / rate["off"],
+      "accept_rate": stats.accept_rate,
+      "tokens_per_target_pass": stats.tokens_per_target_pass,
+      "ideal_speedup_free_draft": 1.0 + stats.accept_rate,
+      "c_draft": c_draft,
+      "ideal_speedup": ideal,
+      "achieved_fraction": (rate["on"] / rate["off"]) / ideal,
+      "draft_ms_per_step": draft_ms,
+      "verify_ms_per_step": timing.verification_compute_us / per_step,
+      "latency_off": latency_off,
+      "latency_on": _latency_ms(last["on"]),
+      "outputs_identical": identical,
+      "load_s": load_s,
+      "compile_s": compile_s,
+      "native_mtp": timing.as_dict(),   # the timing pass: same counters, durations filled
+  }
+  return line
+
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import json
 import os
 import pathlib
 import shutil
-import sysconfig
 import tempfile
 import time
 
@@ -37,6 +36,7 @@ from mtpjax.models.config import ModelConfig
 from mtpjax.models.glm4_moe import StageLayout, init_kv
 from mtpjax.package.writer import split_gguf
 from mtpjax.testing import tiny_glm
+from mtpjax.testing.corpus import corpus_files, split_corpus
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "mtpjax/assets/glm-demo", "package directory to write")
@@ -55,15 +55,6 @@ flags.DEFINE_integer("eval_batches", 8, "held-out batches for the metrics")
 flags.DEFINE_string("tensor_type", "Q8_0", "GGUF storage type of the weight matrices")
 
 SPECIALS = tiny_glm.SPECIAL_TOKENS
-
-
-def corpus_files() -> list[pathlib.Path]:
-  """Standard-library sources, sorted; tests, site-packages and generated tables excluded."""
-  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-  skip = {"test", "tests", "site-packages", "encodings", "pydoc_data", "idle_test",
-          "__pycache__", "lib2to3"}
-  files = [p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts)]
-  return sorted(f for f in files if f.stat().st_size < 200_000)
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> dict:
@@ -216,10 +207,7 @@ def main(argv):
   flag_values = {k: FLAGS[k].value for k in ("steps", "batch", "seq_len", "lr", "mtp_weight",
                                                  "vocab", "hidden", "layers", "experts",
                                                  "expert_ffn", "seed", "tensor_type")}
-  files = corpus_files()
-  texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
-  held_out = [t for i, t in enumerate(texts) if i % 20 == 0]
-  train_texts = [t for i, t in enumerate(texts) if i % 20 != 0]
+  train_texts, held_out = split_corpus()
   tokenizer_meta = train_tokenizer(train_texts, FLAGS.vocab)
   tokenizer = GgufTokenizer.from_metadata(tokenizer_meta)
   eos = tokenizer.special_ids["eos"]
@@ -258,7 +246,7 @@ def main(argv):
   eval_data = batches(eval_ids, FLAGS.batch, FLAGS.seq_len, np.random.default_rng(12345))
   metrics = np.mean([np.asarray(evaluate(state, next(eval_data)))
                      for _ in range(FLAGS.eval_batches)], axis=0)
-  card = {"flags": flag_values, "parameters": n_params, "corpus_files": len(files),
+  card = {"flags": flag_values, "parameters": n_params, "corpus_files": len(corpus_files()),
           "train_tokens": int(train_ids.size), "held_out_tokens": int(eval_ids.size),
           "train_seconds": round(train_seconds, 1), "python": os.sys.version.split()[0],
           "metrics": {"ce_trunk": float(metrics[0]), "ce_mtp": float(metrics[1]),
