@@ -10,8 +10,9 @@ import mtpjax
 from mtpjax.models.dsa_indexer import select_top_rows
 from mtpjax.models.glm4_moe import kv_cache_shapes
 from mtpjax.testing.tiny_mla import TinyDsaSpec, write_tiny_dsa_gguf
+from fixtures import FIXTURES
 
-FIXTURE = pathlib.Path("/work/shared/fixtures/glmdsa-tiny")
+FIXTURE = FIXTURES / "glmdsa-tiny"
 
 
 # --- plain-numpy reference (float64, expanded per-head keys/values, not the absorbed form) ----

@@ -21,8 +21,9 @@ from mtpjax.engine.generate import AdaptiveDrafting, Request, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.models.glm4_moe import init_kv
 from mtpjax.testing.tiny_glm import TinyGlmSpec, write_tiny_glm_gguf
+from fixtures import FIXTURES
 
-FIXTURE = Path("/work/shared/fixtures/glm4moe-tiny")
+FIXTURE = FIXTURES / "glm4moe-tiny"
 FIXTURE_F32 = FIXTURE / "glm4moe_h64-F32.gguf"
 ATOL = 1e-5
 

@@ -17,8 +17,9 @@ from gguf.constants import GGMLQuantizationType as T
 
 from mtpjax import errors
 from mtpjax.gguf import tensors
+from fixtures import FIXTURES
 
-FIXTURE = Path("/work/shared/fixtures/glm4moe-tiny")
+FIXTURE = FIXTURES / "glm4moe-tiny"
 
 # Types gguf-py can quantize: (numpy element shape [.., out, in]).
 _QUANTIZABLE = {

@@ -10,8 +10,9 @@ from mtpjax import errors
 from mtpjax.models import config as config_lib
 from mtpjax.models.glm4_moe import kv_cache_shapes
 from mtpjax.models.layers import rope_interleaved
+from fixtures import FIXTURES
 
-FIXTURE = pathlib.Path("/work/shared/fixtures/glm4moelite-tiny")
+FIXTURE = FIXTURES / "glm4moelite-tiny"
 GGUF = FIXTURE / "glm4moelite_h64-F32.gguf"
 
 

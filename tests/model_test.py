@@ -17,8 +17,9 @@ import mtpjax
 from mtpjax import errors
 from mtpjax.models.config import config_from_gguf
 from mtpjax.testing.tiny_glm import TinyGlmSpec, build_tiny_glm_tensors, write_tiny_glm_gguf
+from fixtures import FIXTURES
 
-FIXTURE = Path("/work/shared/fixtures/glm4moe-tiny")
+FIXTURE = FIXTURES / "glm4moe-tiny"
 TOL = 1e-4
 
 # Small enough that each case compiles in about a second.

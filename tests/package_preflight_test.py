@@ -14,8 +14,9 @@ from absl.testing import absltest
 
 from mtpjax.package import examples, writer
 from mtpjax.package.preflight import preflight
+from fixtures import FIXTURES
 
-FIXTURE = pathlib.Path("/work/shared/fixtures/glm4moe-tiny/glm4moe_h64-Q4_K_M.gguf")
+FIXTURE = FIXTURES / "glm4moe-tiny/glm4moe_h64-Q4_K_M.gguf"
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 REPORT_KEYS = {"schema_version", "package_path", "valid", "model_id", "layer_count",
                "activation_width", "generation", "manifest_sha256", "checked_artifact_count",

@@ -16,8 +16,9 @@ from gguf import quants
 from mtpjax import errors
 from mtpjax.package import examples, preflight, reader, writer
 from mtpjax.testing import tiny_glm
+from fixtures import FIXTURES
 
-FIXTURE = pathlib.Path("/work/shared/fixtures/glm4moe-tiny/glm4moe_h64-Q4_K_M.gguf")
+FIXTURE = FIXTURES / "glm4moe-tiny/glm4moe_h64-Q4_K_M.gguf"
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 _VT = gguf.GGUFValueType
 _RNG = np.random.default_rng(1)

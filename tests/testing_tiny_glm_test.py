@@ -16,8 +16,9 @@ from gguf.constants import GGMLQuantizationType as T
 
 from mtpjax.testing import tiny_glm
 from mtpjax.testing.tiny_glm import TinyGlmSpec
+from fixtures import FIXTURES
 
-FIXTURE = Path("/work/shared/fixtures/glm4moe-tiny")
+FIXTURE = FIXTURES / "glm4moe-tiny"
 FIXTURE_F32 = FIXTURE / "glm4moe_h64-F32.gguf"
 
 
