@@ -18,6 +18,7 @@ STAGE, TENSOR = "stage", "tensor"
 # leaf name -> index of the dimension split over `tensor` (negative: from the end).
 _SPLIT_DIM = {
     "wq": 0, "wk": 0, "wv": 0, "bq": 0, "bk": 0, "bv": 0,   # attention heads (output rows)
+    "wq_b": 0, "wk_b": 0, "wv_b": 0,                         # MLA per-head up-projections
     "wo": -1,                                               # attention heads (input columns)
     "gate": 0, "up": 0, "down": -1,                          # dense / shared-expert FFN width
     "gate_exps": 0, "up_exps": 0, "down_exps": 0,           # experts
