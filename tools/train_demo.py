@@ -54,9 +54,6 @@ flags.DEFINE_integer("seed", 0, "seed for data order and initialisation")
 flags.DEFINE_integer("eval_batches", 8, "held-out batches for the metrics")
 flags.DEFINE_string("tensor_type", "Q8_0", "GGUF storage type of the weight matrices")
 
-SPECIALS = tiny_glm.SPECIAL_TOKENS
-
-
 def train_tokenizer(texts: list[str], vocab_size: int) -> dict:
   """GGUF tokenizer key/values of a byte-level BPE trained with GLM's pre-tokenizer."""
   tok = Tokenizer(models.BPE())
@@ -64,29 +61,15 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> dict:
       pre_tokenizers.Split(Regex(PRE_TOKENIZER_REGEX["glm4"]), behavior="isolated"),
       pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
   tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIALS), show_progress=False,
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(tiny_glm.SPECIAL_TOKENS),
+                                show_progress=False,
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
   tok.train_from_iterator(texts, trainer)
   model = json.loads(tok.to_str())["model"]
   vocab = sorted(model["vocab"].items(), key=lambda kv: kv[1])
   merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
   tokens = [t for t, _ in vocab]
-  n_regular = len(tokens)
-  ids = {s: n_regular + i for i, s in enumerate(SPECIALS)}
-  return {
-      "tokenizer.ggml.model": "gpt2",
-      "tokenizer.ggml.pre": "glm4",
-      "tokenizer.ggml.tokens": tokens + list(SPECIALS),
-      "tokenizer.ggml.token_type": [1] * n_regular + [3] * len(SPECIALS),
-      "tokenizer.ggml.merges": merges,
-      "tokenizer.ggml.eos_token_id": ids["<|endoftext|>"],
-      "tokenizer.ggml.unknown_token_id": ids["<|endoftext|>"],
-      "tokenizer.ggml.padding_token_id": ids["<|endoftext|>"],
-      "tokenizer.ggml.bos_token_id": ids["[gMASK]"],
-      "tokenizer.ggml.eot_token_id": ids["<|user|>"],
-      "tokenizer.ggml.eom_token_id": ids["<|observation|>"],
-      "tokenizer.chat_template": tiny_glm.CHAT_TEMPLATE,
-  }
+  return tiny_glm.glm_tokenizer_metadata(tokens, [1] * len(tokens), merges)
 
 
 def model_spec(vocab_size: int) -> tiny_glm.TinyGlmSpec:

@@ -232,12 +232,24 @@ def tiny_tokenizer_metadata(vocab_size: int = 512) -> dict[str, Any]:
   tokens = list(learned) + [f"[PAD{i}]" for i in range(len(learned), n_regular)]
   types = [int(TokenType.NORMAL)] * len(learned)
   types += [int(TokenType.UNUSED)] * (n_regular - len(learned))
+  return glm_tokenizer_metadata(tokens, types, merges)
+
+
+def glm_tokenizer_metadata(tokens: list[str], token_types: list[int],
+                           merges: list[str]) -> dict[str, Any]:
+  """GGUF tokenizer key/values for a byte-level BPE vocab followed by the 10 GLM specials.
+
+  `tokens` and `token_types` are the regular vocabulary in id order; the specials are appended
+  as CONTROL tokens with GLM's bos/eos/eot/eom roles, plus the GLM chat template.
+  """
+  n_regular = len(tokens)
   ids = {tok: n_regular + i for i, tok in enumerate(SPECIAL_TOKENS)}
   return {
       "tokenizer.ggml.model": "gpt2",
       "tokenizer.ggml.pre": "glm4",
-      "tokenizer.ggml.tokens": tokens + list(SPECIAL_TOKENS),
-      "tokenizer.ggml.token_type": types + [int(TokenType.CONTROL)] * len(SPECIAL_TOKENS),
+      "tokenizer.ggml.tokens": list(tokens) + list(SPECIAL_TOKENS),
+      "tokenizer.ggml.token_type": (list(token_types)
+                                    + [int(TokenType.CONTROL)] * len(SPECIAL_TOKENS)),
       "tokenizer.ggml.merges": list(merges),
       "tokenizer.ggml.eos_token_id": ids["<|endoftext|>"],
       "tokenizer.ggml.unknown_token_id": ids["<|endoftext|>"],
