@@ -36,7 +36,7 @@ from mtpjax.models.config import ModelConfig
 from mtpjax.models.glm4_moe import StageLayout, init_kv
 from mtpjax.package.writer import split_gguf
 from mtpjax.testing import tiny_glm
-from mtpjax.testing.corpus import corpus_files, split_corpus
+from mtpjax.testing.corpus import split_corpus
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "mtpjax/assets/glm-demo", "package directory to write")
@@ -53,6 +53,7 @@ flags.DEFINE_integer("expert_ffn", 128, "per-expert FFN width")
 flags.DEFINE_integer("seed", 0, "seed for data order and initialisation")
 flags.DEFINE_integer("eval_batches", 8, "held-out batches for the metrics")
 flags.DEFINE_string("tensor_type", "Q8_0", "GGUF storage type of the weight matrices")
+flags.DEFINE_integer("corpus_files", 0, "use only the first N corpus files (0: all)")
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> dict:
   """GGUF tokenizer key/values of a byte-level BPE trained with GLM's pre-tokenizer."""
@@ -189,8 +190,9 @@ def main(argv):
   del argv
   flag_values = {k: FLAGS[k].value for k in ("steps", "batch", "seq_len", "lr", "mtp_weight",
                                                  "vocab", "hidden", "layers", "experts",
-                                                 "expert_ffn", "seed", "tensor_type")}
-  train_texts, held_out = split_corpus()
+                                                 "expert_ffn", "seed", "tensor_type",
+                                                 "corpus_files")}
+  train_texts, held_out = split_corpus(FLAGS.corpus_files)
   tokenizer_meta = train_tokenizer(train_texts, FLAGS.vocab)
   tokenizer = GgufTokenizer.from_metadata(tokenizer_meta)
   eos = tokenizer.special_ids["eos"]
@@ -229,7 +231,8 @@ def main(argv):
   eval_data = batches(eval_ids, FLAGS.batch, FLAGS.seq_len, np.random.default_rng(12345))
   metrics = np.mean([np.asarray(evaluate(state, next(eval_data)))
                      for _ in range(FLAGS.eval_batches)], axis=0)
-  card = {"flags": flag_values, "parameters": n_params, "corpus_files": len(corpus_files()),
+  card = {"flags": flag_values, "parameters": n_params,
+          "corpus_files": len(train_texts) + len(held_out),
           "train_tokens": int(train_ids.size), "held_out_tokens": int(eval_ids.size),
           "train_seconds": round(train_seconds, 1), "python": os.sys.version.split()[0],
           "metrics": {"ce_trunk": float(metrics[0]), "ce_mtp": float(metrics[1]),

@@ -23,9 +23,11 @@ def corpus_files() -> list[pathlib.Path]:
   return sorted(f for f in files if f.stat().st_size < _MAX_FILE_BYTES)
 
 
-def split_corpus() -> tuple[list[str], list[str]]:
-  """(training texts, held-out texts)."""
-  texts = [f.read_text(encoding="utf-8", errors="replace") for f in corpus_files()]
+def split_corpus(max_files: int = 0) -> tuple[list[str], list[str]]:
+  """(training texts, held-out texts), from the first `max_files` files (0: all)."""
+  files = corpus_files()
+  texts = [f.read_text(encoding="utf-8", errors="replace")
+           for f in (files[:max_files] if max_files > 0 else files)]
   held_out = [t for i, t in enumerate(texts) if i % HELD_OUT_EVERY == 0]
   train = [t for i, t in enumerate(texts) if i % HELD_OUT_EVERY != 0]
   return train, held_out
