@@ -1,7 +1,8 @@
 """mtpjax configs: `--config=configs/glm.py[:variant]`, overrides as `--config.group.field=value`.
 
-Variants: the default (and `tiny`) serve the tiny demo package that `mtpjax/testing` builds, so
-the main command runs offline; `glm-4.5-air`, `glm-4.7`, `glm-4.7-flash` and `glm-5` describe
+Variants: the default serves the trained demo package shipped in `mtpjax/assets/glm-demo` and
+`tiny` a random tiny model that `mtpjax/testing` builds (fast, for tests), so the main command
+runs offline; `glm-4.5-air`, `glm-4.7`, `glm-4.7-flash` and `glm-5` describe
 real packages whose path is given with `--config.model.source=/path/to/package-or.gguf`.
 """
 
@@ -34,11 +35,12 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   variant = (variant or "").strip() or None
   if variant is not None and variant not in VARIANTS:
     raise ValueError(f"configs/glm.py: unknown variant {variant!r}; choose one of "
-                     f"{', '.join(VARIANTS)} or none for the embedded tiny demo")
+                     f"{', '.join(VARIANTS)} or none for the built-in demo model")
   config = ml_collections.ConfigDict()
 
   config.model = ml_collections.ConfigDict()
-  # None: required (set --config.model.source); "": the embedded tiny demo package.
+  # None: required (set --config.model.source); "": the shipped demo package;
+  # "embedded:tiny": a generated random tiny model (mtpjax.embedded).
   config.model.source = config_dict.placeholder(str)
   config.model.name = MODEL_NAME
   config.model.arch = "glm4moe"
@@ -70,7 +72,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   config.server = ml_collections.ConfigDict()
   config.server.host = "127.0.0.1"
   config.server.port = 8000
-  config.server.model_name = "mtpjax-tiny"
+  config.server.model_name = "mtpjax-glm-demo"
 
   config.distributed = ml_collections.ConfigDict()
   config.distributed.coordinator_address = config_dict.placeholder(str)
@@ -84,6 +86,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   else:
     config.model.source = ""
   if variant == "tiny":
+    config.model.source = "embedded:tiny"
+    config.server.model_name = "mtpjax-tiny"
     config.engine.slots = 2
     config.engine.max_len = 64
     config.engine.prefill_buckets = (16, 32)

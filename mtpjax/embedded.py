@@ -1,12 +1,13 @@
-"""The embedded default model: a tiny GLM layer package with an MTP head, built on first use.
+"""The built-in models, so that every entry point works offline on a fresh machine.
 
-`python -m mtpjax.serve --config=configs/glm.py` must work offline on a fresh machine, so with
-`model.source` set to "" the server builds a deterministic tiny GLM-4.x MoE model from
-`mtpjax.testing` (an MTP head that copies the trunk, so drafts are mostly accepted), writes it
-as a GGUF and splits it into a layer package whose manifest advertises native MTP, so the
-`auto` strategy turns MTP on. The package is cached per build recipe; the build happens in a
-temporary folder that is renamed into place, so concurrent first runs are safe: one rename
-wins and the others use the winner's package.
+- `model.source = ""` (`configs/glm.py` without a variant): the trained demo package shipped in
+  `mtpjax/assets/glm-demo` (tools/train_demo.py, MODEL_CARD.md beside it): a small GLM-4.x MoE
+  whose NextN head really predicts, so native MTP is worth something.
+- `model.source = "embedded:tiny"` (the `tiny` variant, tests): a deterministic random tiny model
+  from `mtpjax.testing` with an MTP head that copies the trunk, built on first use and cached
+  per build recipe. The build happens in a temporary folder renamed into place, so concurrent
+  first runs are safe: one rename wins and the others use the winner's package.
+Both are layer packages whose manifest advertises native MTP, so `auto` turns MTP on.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from mtpjax.package import manifest as manifest_lib
 from mtpjax.package import writer
 from mtpjax.testing import tiny_glm
 
+DEMO_PACKAGE = pathlib.Path(__file__).resolve().parent / "assets" / "glm-demo"
+TINY_SOURCE = "embedded:tiny"
 EMBEDDED_SPEC = tiny_glm.TinyGlmSpec(mtp_copies_trunk=True)
 EMBEDDED_MODEL_ID = "mtpjax/embedded-tiny-glm:F32"
 # The modules whose code decides the package's bytes: a change to any of them (new weights
@@ -83,13 +86,20 @@ def embedded_package_dir(cache_dir: str | None = None,
 
 
 def resolve_source(config: Any) -> str:
-  """The model path the config names; "" means the embedded default package."""
+  """The model path the config names: "" is the shipped demo, "embedded:tiny" the tiny model."""
   source = config.model.source
   if source is None:
     raise errors.MtpjaxError(
         "this config has no model: model.source is unset", field="model.source",
         remedy="pass --config.model.source=/path/to/package-or.gguf, or use configs/glm.py "
-        "without a variant for the embedded tiny demo")
+        "without a variant for the built-in demo model")
   if source.strip() == "":
+    if not (DEMO_PACKAGE / manifest_lib.MANIFEST_NAME).is_file():
+      raise errors.PackageError(
+          "the demo package is missing from this installation", path=str(DEMO_PACKAGE),
+          field="model.source", remedy="reinstall mtpjax, or rebuild it with "
+          "`python tools/train_demo.py --out mtpjax/assets/glm-demo`")
+    return str(DEMO_PACKAGE)
+  if source.strip() == TINY_SOURCE:
     return str(embedded_package_dir(config.cache_dir))
   return source

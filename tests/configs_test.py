@@ -67,7 +67,7 @@ class GetConfigTest(parameterized.TestCase):
   def test_tiny_is_small(self):
     config = tiny.get_config()
     self.assertEqual(config.to_dict(), glm.get_config("tiny").to_dict())
-    self.assertEqual(config.model.source, "")
+    self.assertEqual(config.model.source, "embedded:tiny")
     self.assertLess(config.engine.max_len, glm.get_config().engine.max_len)
     self.assertLessEqual(max(config.engine.prefill_buckets), config.engine.max_len)
 

@@ -46,11 +46,14 @@ _STARTUP_TIMEOUT_S = 600
 class ServerProcess:
   """`python -m mtpjax.serve` with its output in a log file (a pipe could fill and block it)."""
 
-  def __init__(self, cache_dir: str, log_path: pathlib.Path, *flags: str):
+  def __init__(self, cache_dir: str, log_path: pathlib.Path, *flags: str, tiny: bool = True):
+    """`tiny`: serve the generated tiny model; otherwise the config's own default model."""
     self.log_path = log_path
     self._log = open(log_path, "wb")
+    model_flags = ([f"--config.model.source={embedded.TINY_SOURCE}",
+                    f"--config.server.model_name={MODEL}"] if tiny else [])
     self.process = subprocess.Popen(
-        [sys.executable, "-m", "mtpjax.serve", "--config=configs/glm.py",
+        [sys.executable, "-m", "mtpjax.serve", "--config=configs/glm.py", *model_flags,
          f"--config.cache_dir={cache_dir}", "--config.server.port=0", *flags],
         cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONPATH": str(REPO)})

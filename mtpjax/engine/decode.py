@@ -299,7 +299,9 @@ def draft_commit(model, state: DecodeState, verified, active,
   rows = jnp.stack([token_a, token_b], axis=1)
   positions = state.pos[:, None] + jnp.arange(1, 3, dtype=jnp.int32)[None]
   z, mtp_kv = model.mtp_hidden(rows, hidden, positions, state.mtp_kv)
-  drafts = jnp.argmax(model.mtp_logits(z), axis=-1).astype(jnp.int32)    # [B, 2]
+  # Only the row of the new `current` drafts; the head (the draft's largest cost) runs once.
+  z_next = jnp.where(accept[:, None], z[:, 1], z[:, 0])
+  draft = jnp.argmax(model.mtp_logits(z_next), axis=-1).astype(jnp.int32)   # [B]
   step = jnp.where(accept, 2, 1)
   result = jnp.stack([token_a, token_b, step, accept.astype(jnp.int32)], axis=1)
   keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
@@ -307,7 +309,7 @@ def draft_commit(model, state: DecodeState, verified, active,
       mtp_kv=mtp_kv,
       pos=keep(state.pos + step, state.pos),
       current=keep(jnp.where(accept, token_b, token_a), state.current),
-      draft=keep(jnp.where(accept, drafts[:, 1], drafts[:, 0]), state.draft),
+      draft=keep(draft, state.draft),
       h_prev=keep(jnp.where(accept[:, None], hidden[:, 1], hidden[:, 0]), state.h_prev))
   return state, result
 

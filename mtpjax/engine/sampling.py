@@ -63,11 +63,16 @@ def _filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax
 
 def sample(logits: jax.Array, keys: jax.Array, positions: jax.Array, temperature: jax.Array,
            top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-  """Tokens [B] for logits [B, V] at absolute `positions` [B], one sampler per row."""
+  """Tokens [B] for logits [B, V] at absolute `positions` [B], one sampler per row.
+
+  A batch of greedy rows skips the sort that top-k/top-p filtering needs.
+  """
   def one(row, key_data, position, temp, k, p):
     greedy = jnp.argmax(row).astype(jnp.int32)
     key = jax.random.fold_in(jax.random.wrap_key_data(key_data), position)
     scaled = _filter_logits(row.astype(jnp.float32) / jnp.maximum(temp, 1e-6), k, p)
     drawn = jax.random.categorical(key, scaled).astype(jnp.int32)
     return jnp.where(temp > 0, drawn, greedy)
-  return jax.vmap(one)(logits, keys, positions, temperature, top_k, top_p)
+  sampled = lambda: jax.vmap(one)(logits, keys, positions, temperature, top_k, top_p)
+  greedy = lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return jax.lax.cond(jnp.any(temperature > 0), sampled, greedy)

@@ -198,13 +198,13 @@ class MoE(nnx.Module):
     logits = jnp.einsum("nd,ed->ne", flat.astype(jnp.float32), self.router[...])
     expert_ids, weights = route(logits, self.router_bias[...], cfg)
     if n * cfg.n_experts_used <= cfg.n_experts:
-      # Few tokens (decode): read only the selected experts' weights.
-      gate = self.gate_exps[...][expert_ids]                               # [N, K, F, D]
-      up = self.up_exps[...][expert_ids]
-      down = self.down_exps[...][expert_ids]                               # [N, K, D, F]
-      act = jax.nn.silu(jnp.einsum("nd,nkfd->nkf", flat, gate.astype(flat.dtype)))
-      act = act * jnp.einsum("nd,nkfd->nkf", flat, up.astype(flat.dtype))
-      expert_out = jnp.einsum("nkf,nkdf->nkd", act, down.astype(flat.dtype))
+      # Few tokens (decode): each (token, expert) pair reads only that expert's weights.
+      def one_expert(x, e):
+        act = jax.nn.silu(self.gate_exps[...][e].astype(x.dtype) @ x)
+        act = act * (self.up_exps[...][e].astype(x.dtype) @ x)
+        return self.down_exps[...][e].astype(x.dtype) @ act
+      expert_out = jax.vmap(lambda x, ids: jax.vmap(lambda e: one_expert(x, e))(ids))(
+          flat, expert_ids)                                                 # [N, K, D]
     else:
       # Many tokens (prefill): run every expert once, then pick the selected outputs.
       act = jax.nn.silu(jnp.einsum("nd,efd->nef", flat, self.gate_exps[...].astype(flat.dtype)))
