@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mtpjax import checkpoint, loading, sharding, speculative
+from mtpjax import checkpoint, loading, runtime_options, sharding, speculative
 from mtpjax.engine.decode import Engine, EngineConfig
 from mtpjax.engine.generate import AdaptiveDrafting, Request, Result, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
@@ -54,7 +54,8 @@ class Model:
   """A loaded model: full-sequence forwards for checks, and `generate` for decoding."""
 
   def __init__(self, source, cfg: ModelConfig, *, dtype: str, resolution,
-               config=None, mesh=None, checkpoint_dir: pathlib.Path | None = None):
+               config=None, mesh=None, checkpoint_dir: pathlib.Path | None = None,
+               stage_ranges: Sequence | None = None):
     self.source = source
     self.config = cfg
     self.dtype = dtype
@@ -64,11 +65,24 @@ class Model:
     self._checkpoint_dir = checkpoint_dir
     self._weights: dict[bool, tuple] = {}
     self._engines: dict[tuple, Engine] = {}
-    self.weights(with_mtp=resolution.native_mtp)
+    # The resolved flag, carried unchanged to the loader, every stage and the server.
+    engine = config.engine if config is not None else None
+    self.load_options, self.stage_configs, self.generation_settings = (
+        runtime_options.consumers_from_resolution(
+            resolution, dtype=dtype, stage_ranges=stage_ranges or [(0, source.layer_count)],
+            max_len=engine.max_len if engine else 512, slots=engine.slots if engine else 1,
+            prefill_buckets=engine.prefill_buckets if engine else (16, 32, 64, 128, 256),
+            timing=engine.timing if engine else False))
+    self.weights(with_mtp=self.load_options.native_mtp)
 
   @property
   def has_mtp(self) -> bool:
     return self.config.has_mtp
+
+  @property
+  def mtp_head_loaded(self) -> bool:
+    """Whether the MTP head's weights are in memory (loaded at start only when MTP is on)."""
+    return True in self._weights and self.has_mtp
 
   @property
   def metadata(self) -> dict:
@@ -194,10 +208,11 @@ class Model:
     With `adaptive_drafting`, MTP pauses while its drafts keep being rejected (see
     `AdaptiveDrafting`); the tokens are the same either way.
     """
-    resolution = self.resolve(speculative)
+    native_mtp = (self.generation_settings.native_mtp if speculative is None
+                  else self.resolve(speculative).native_mtp)
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     max_len = max(128, _bucket(prompt.size + max_new_tokens + 1))
-    engine = self.engine(native_mtp=resolution.native_mtp, max_len=max_len, timing=timing)
+    engine = self.engine(native_mtp=native_mtp, max_len=max_len, timing=timing)
     request = Request(prompt=prompt, max_new_tokens=int(max_new_tokens),
                       sampler=SamplerParams(temperature, top_k, top_p, seed),
                       stop_ids=frozenset(int(t) for t in stop_ids))

@@ -30,7 +30,7 @@ class PipelinedModel(api.Model):
     self.plan = plan
     self.hops = make_hops(plan)
     super().__init__(source, cfg, dtype=dtype, resolution=resolution, config=config,
-                     checkpoint_dir=checkpoint_dir)
+                     checkpoint_dir=checkpoint_dir, stage_ranges=plan.ranges)
 
   @property
   def last(self) -> int:
