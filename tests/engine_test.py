@@ -200,15 +200,20 @@ class MtpEngineTest(parameterized.TestCase):
     if check_draft:
       self.assertEqual(int(state.draft[slot]), int(np.argmax(mtp_logits[0, pos])))
 
-  def test_forced_rejections_keep_output_and_mtp_kv(self):
-    """Drafts injected into the state: wrong ones (rejected), right ones (accepted), natural."""
-    engine = self.on
+  def prefill_both(self, engine):
+    """Both prompts prefilled into slots 0 and 1: (state, tokens emitted per slot)."""
     state = engine.init_state()
     emitted = [[], []]
     for slot, prompt in enumerate(self.prompts):
       prefix = engine.prefill(prompt, SamplerParams())
       state = engine.insert(prefix, state, slot)
       emitted[slot].append(int(prefix.current[0]))
+    return state, emitted
+
+  def test_forced_rejections_keep_output_and_mtp_kv(self):
+    """Drafts injected into the state: wrong ones (rejected), right ones (accepted), natural."""
+    engine = self.on
+    state, emitted = self.prefill_both(engine)
     active = np.ones(2, bool)
     outcomes = {"reject": 0, "accept": 0}
     for step in range(14):
@@ -236,12 +241,7 @@ class MtpEngineTest(parameterized.TestCase):
     """Steps without drafting (the adaptive policy's cheap step, then a mixed batch) keep the
     MTP KV complete, so drafting resumes with exactly the state a never-paused run has."""
     engine = self.on
-    state = engine.init_state()
-    emitted = [[], []]
-    for slot, prompt in enumerate(self.prompts):
-      prefix = engine.prefill(prompt, SamplerParams())
-      state = engine.insert(prefix, state, slot)
-      emitted[slot].append(int(prefix.current[0]))
+    state, emitted = self.prefill_both(engine)
     active = np.ones(2, bool)
     schedule = [(False, False)] * 4 + [(True, False)] * 3 + [(True, True)] * 3
     for drafting in schedule:

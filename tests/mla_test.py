@@ -10,6 +10,7 @@ from mtpjax import errors
 from mtpjax.models import config as config_lib
 from mtpjax.models.glm4_moe import kv_cache_shapes
 from mtpjax.models.layers import rope_interleaved
+from fixture_checks import ReferenceFixtureChecks
 from fixtures import FIXTURES
 
 FIXTURE = FIXTURES / "glm4moelite-tiny"
@@ -68,7 +69,7 @@ class DeepseekConfigTest(absltest.TestCase):
       config_lib.config_from_gguf(meta, [])
 
 
-class Glm4MoeLiteFixtureTest(absltest.TestCase):
+class Glm4MoeLiteFixtureTest(ReferenceFixtureChecks, absltest.TestCase):
 
   @classmethod
   def setUpClass(cls):
@@ -82,21 +83,6 @@ class Glm4MoeLiteFixtureTest(absltest.TestCase):
                      ("deepseek2", 3, 32, 16))
     self.assertTrue(cfg.has_mtp)
     self.assertAlmostEqual(cfg.routed_scale, 1.8, places=6)
-
-  def test_logits_hidden_and_mtp_match_hf(self):
-    ids = self.ref["token_ids"]
-    np.testing.assert_allclose(self.model.logits(ids), self.ref["logits"], atol=1e-4, rtol=0)
-    np.testing.assert_allclose(self.model.hidden(ids), self.ref["mtp_h_nextn"], atol=1e-4,
-                               rtol=0)
-    np.testing.assert_allclose(self.model.mtp_logits(ids), self.ref["mtp_logits_llamacpp"],
-                               atol=1e-4, rtol=0)
-
-  def test_greedy_generation_with_and_without_mtp(self):
-    want = list(self.ref["greedy_ids"])
-    for strategy in ("disabled", "native-mtp-n1"):
-      result = self.model.generate(self.ref["prompt_ids"], max_new_tokens=len(want),
-                                   speculative=strategy)
-      self.assertEqual(result.tokens, want, strategy)
 
   def test_kv_cache_holds_latent_plus_rope_key_per_token(self):
     cfg = self.model.config
