@@ -15,11 +15,9 @@ import uvicorn
 from absl import logging
 
 import mtpjax
-from mtpjax import distributed, embedded, errors, sharding
+from mtpjax import distributed, embedded, errors, sharding, speculative
 from mtpjax.engine.generate import Request, SlotScheduler
-from mtpjax.engine.pipeline_model import PipelinedModel
 from mtpjax.gguf.tokenizer import ChatTemplate, GgufTokenizer
-from mtpjax.runtime_options import consumers_from_resolution
 from mtpjax.server.app import SamplingDefaults, Service, create_app
 from mtpjax.server.metrics import ServerMetrics
 from mtpjax.server.worker import EngineWorker
@@ -60,6 +58,7 @@ def _refuse_multi_process(config) -> None:
 def build_service(config) -> Service:
   """Loads the model the config names, resolves MTP once, warms up and starts the engine."""
   _refuse_multi_process(config)
+  speculative.strategy_from_config(config, config.model.name)   # a bad value fails before I/O
   engine_cfg = config.engine
   max_prompt = _max_prompt_tokens(engine_cfg.max_len, tuple(engine_cfg.prefill_buckets))
   source = embedded.resolve_source(config)
@@ -73,12 +72,7 @@ def build_service(config) -> Service:
   logging.info("loaded %s in %.1f s", source, time.perf_counter() - started)
   logging.info("native MTP %s: %s", "on" if resolution.native_mtp else "off", resolution.reason)
 
-  stage_ranges = (model.plan.ranges if isinstance(model, PipelinedModel)
-                  else [(0, model.source.layer_count)])
-  _, _, settings = consumers_from_resolution(
-      resolution, dtype=config.model.dtype, stage_ranges=stage_ranges,
-      max_len=engine_cfg.max_len, slots=engine_cfg.slots,
-      prefill_buckets=tuple(engine_cfg.prefill_buckets), timing=engine_cfg.timing)
+  settings = model.generation_settings
   engine = model.engine(native_mtp=settings.native_mtp, slots=settings.slots,
                         max_len=settings.max_len, prefill_buckets=settings.prefill_buckets,
                         timing=settings.timing)
