@@ -16,7 +16,7 @@ from absl.testing import absltest, parameterized
 from flax import nnx
 
 import mtpjax
-from mtpjax.engine.decode import ACCEPTED, COUNT, TOKEN_A, TOKEN_B
+from mtpjax.engine.decode import ACCEPTED, COUNT, TOKEN_A, TOKEN_B, warm_up
 from mtpjax.engine.generate import AdaptiveDrafting, Request, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.models.glm4_moe import init_kv
@@ -86,6 +86,17 @@ class FixtureTest(parameterized.TestCase):
     self.assertEqual(result.stats.verifications, window)
     self.assertEqual(result.stats.pending, 0)
     self.assertEqual(result.stats.target_passes, 32)
+
+  def test_warm_up_compiles_everything_requests_need(self):
+    """After warm_up, prompts in both buckets and paused drafting trigger no compile."""
+    engine = self.model.engine(native_mtp=True, slots=3, max_len=64, prefill_buckets=(16, 32))
+    warm_up(engine)
+    traces = dict(engine.trace_counts)
+    self.assertEqual(traces, {"prefill": 2, "insert": 1, "verify_draft": 1, "maintain": 1})
+    prompts = [self.ref["prompt_ids"], np.arange(20, dtype=np.int32)]
+    results = SlotScheduler(engine).run([Request(prompt=p, max_new_tokens=30) for p in prompts])
+    self.assertLess(results[0].stats.verifications, 29)     # the random head got paused
+    self.assertEqual(engine.trace_counts, traces)
 
   def test_timing_mode_keeps_tokens_and_fills_durations(self):
     result = self.model.generate(self.ref["prompt_ids"], max_new_tokens=12,

@@ -183,7 +183,8 @@ class Engine:
       state, result = self._decode(self.params, state, active)
       return state, np.asarray(result), {}
     drafting = np.ones(active.shape, bool) if drafting is None else np.asarray(drafting, bool)
-    if not drafting[np.asarray(active)].any():
+    live = np.asarray(active)
+    if not (drafting[live].any() if live.any() else drafting.any()):
       state, result = self._maintain(self.params, state, active)
       return state, np.asarray(result), {}
     drafting = jnp.asarray(drafting)
@@ -325,3 +326,20 @@ def mtp_maintain_commit(model, state: DecodeState, hidden,
   _, mtp_kv = model.mtp_hidden(committed.current[:, None], hidden, state.pos[:, None] + 1,
                                state.mtp_kv)
   return committed.replace(mtp_kv=mtp_kv), result
+
+
+def warm_up(engine) -> None:
+  """Compile every prefill bucket and every step variant of an engine (single or pipelined)
+  now, not under the first requests. Runs on a throwaway state with every slot inactive."""
+  ec = engine.engine_cfg
+  state = engine.init_state()
+  for bucket in ec.prefill_buckets:
+    if bucket - 1 < ec.max_len and bucket <= ec.cache_len:
+      state = engine.insert(engine.prefill(np.zeros(bucket - 1, np.int32), SamplerParams()),
+                            state, 0)
+  inactive = np.zeros(ec.slots, bool)
+  if not ec.native_mtp:
+    engine.step(state, inactive)
+    return
+  for drafting in (np.ones(ec.slots, bool), np.zeros(ec.slots, bool)):
+    state, _, _ = engine.step(state, inactive, drafting)

@@ -10,13 +10,13 @@ import random
 import socket
 import time
 
-import numpy as np
 import uvicorn
 from absl import logging
 
 import mtpjax
 from mtpjax import distributed, embedded, errors, sharding, speculative
-from mtpjax.engine.generate import Request, SlotScheduler
+from mtpjax.engine.decode import warm_up
+from mtpjax.engine.generate import SlotScheduler
 from mtpjax.gguf.tokenizer import ChatTemplate, GgufTokenizer
 from mtpjax.server.app import SamplingDefaults, Service, create_app
 from mtpjax.server.metrics import ServerMetrics
@@ -35,11 +35,10 @@ def _max_prompt_tokens(max_len: int, buckets: tuple[int, ...]) -> int:
   return min(max_len - 1, max(usable) - 1)
 
 
-def _warm_up(scheduler: SlotScheduler, token: int) -> float:
-  """One prefill and one step, so the first client does not pay for the compiles."""
+def _warm_up(scheduler: SlotScheduler) -> float:
+  """Compile every prefill bucket and step variant, so no client pays for a compile."""
   started = time.perf_counter()
-  scheduler.run([Request(prompt=np.asarray([token], np.int32), max_new_tokens=2)])
-  scheduler.occupancy_samples.clear()
+  warm_up(scheduler.engine)
   return time.perf_counter() - started
 
 
@@ -80,7 +79,7 @@ def build_service(config) -> Service:
   chat_template = ChatTemplate.from_metadata(model.metadata, path=source)
 
   scheduler = SlotScheduler(engine)
-  warm_s = _warm_up(scheduler, tokenizer.special_ids.get("bos", 0))
+  warm_s = _warm_up(scheduler)
   logging.info("compiled and warmed up the engine in %.1f s (%d slots, max_len %d)", warm_s,
                settings.slots, settings.max_len)
 
