@@ -110,7 +110,7 @@ def load_leaves(source, cfg: ModelConfig, layout: StageLayout, *, dtype="float32
     deq_dtype = "bfloat16" if leaf_dtype == jnp.bfloat16 else "float32"
     array = dequantize(info.name, info.ggml_type, info.ne, raw, dtype=deq_dtype)
     for target in targets:
-      part = array if target.rows is None else array[target.rows[0]:target.rows[1]]
+      part = target.take(array)
       want = expected.get(target.path)
       if want is None or tuple(part.shape) != tuple(want.shape):
         raise errors.ConversionError(

@@ -1,7 +1,9 @@
 """GLM-4.7-Flash-style MLA (GGUF arch `deepseek2`) against the glm4moelite-tiny fixture."""
 
 import pathlib
+import tempfile
 
+import gguf
 import numpy as np
 from absl.testing import absltest
 
@@ -94,6 +96,55 @@ class Glm4MoeLiteFixtureTest(ReferenceFixtureChecks, absltest.TestCase):
     state = self.model.engine(native_mtp=True, max_len=64).init_state()
     for cache in list(state.kv) + [state.mtp_kv]:
       self.assertEqual(sum(int(np.prod(a.shape[2:])) for a in cache), per_token)
+
+
+
+def write_fused_kv_b(source: pathlib.Path, path: pathlib.Path) -> None:
+  """Rewrite a deepseek2 GGUF the way older converters did: each layer's attn_k_b and attn_v_b
+  merged back into HF's kv_b_proj, `attn_kv_b` [H * (nope + v), kv_lora] (numpy order)."""
+  reader = gguf.GGUFReader(source)
+  writer = gguf.GGUFWriter(path, "deepseek2")
+  for key, field in reader.fields.items():
+    if key.startswith("GGUF.") or key == "general.architecture":
+      continue
+    kind = field.types[0]
+    if kind == gguf.GGUFValueType.ARRAY:
+      writer.add_key_value(key, field.contents(), kind, sub_type=field.types[-1])
+    else:
+      writer.add_key_value(key, field.contents(), kind)
+  tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
+  for name, data in tensors.items():
+    if name.endswith("attn_v_b.weight"):
+      continue
+    if name.endswith("attn_k_b.weight"):
+      k_b, v_b = data, tensors[name.replace("attn_k_b", "attn_v_b")]
+      fused = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)   # [H, nope + v, kv_lora]
+      writer.add_tensor(name.replace("attn_k_b", "attn_kv_b"),
+                        fused.reshape(-1, fused.shape[-1]).astype(np.float32))
+    else:
+      writer.add_tensor(name, data)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+
+class FusedKvBTest(absltest.TestCase):
+  """Older deepseek2 GGUFs store attn_kv_b; the loader splits it into the per-head k_b / v_b."""
+
+  def test_fused_file_gives_the_same_logits(self):
+    ref = np.load(FIXTURE / "hf_ref.npz")
+    with tempfile.TemporaryDirectory() as tmp:
+      fused = pathlib.Path(tmp) / "fused.gguf"
+      write_fused_kv_b(GGUF, fused)
+      names = {t.name for t in gguf.GGUFReader(fused).tensors}
+      self.assertIn("blk.0.attn_kv_b.weight", names)
+      self.assertNotIn("blk.0.attn_k_b.weight", names)
+      model = mtpjax.load(str(fused))
+      np.testing.assert_allclose(model.logits(ref["token_ids"]), ref["logits"], atol=1e-4,
+                                 rtol=0)
+      np.testing.assert_allclose(model.mtp_logits(ref["token_ids"]), ref["mtp_logits_llamacpp"],
+                                 atol=1e-4, rtol=0)
 
 
 if __name__ == "__main__":

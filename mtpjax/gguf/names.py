@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import numpy as np
+
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.glm4_moe import StageLayout
 
@@ -69,9 +71,25 @@ _BLK = re.compile(r"blk\.(\d+)\.(.+)")
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-  """Where (part of) a source tensor goes: a state path and an optional row range."""
+  """Where (part of) a source tensor goes: a state path, an optional row range and, for a
+  fused MLA `attn_kv_b`, which half of each head it keeps (`kv_b`: "k" or "v")."""
   path: tuple
   rows: tuple[int, int] | None = None
+  kv_b: str | None = None
+  heads: int = 0
+  nope: int = 0
+
+  def take(self, array: np.ndarray) -> np.ndarray:
+    """The part of the dequantized source tensor (numpy layout) this target holds."""
+    if self.rows is not None:
+      array = array[self.rows[0]:self.rows[1]]
+    if self.kv_b is None:
+      return array
+    # HF kv_b_proj [H * (nope + v), kv_lora]: per head, the nope key rows then the value rows.
+    per_head = array.reshape(self.heads, -1, array.shape[-1])
+    if self.kv_b == "k":
+      return per_head[:, :self.nope].transpose(0, 2, 1)     # attn_k_b: [H, kv_lora, nope]
+    return per_head[:, self.nope:]                          # attn_v_b: [H, v, kv_lora]
 
 
 def _block_targets(prefix: tuple, suffix: str, cfg: ModelConfig, layer: int) -> list[Target]:
@@ -85,6 +103,10 @@ def _block_targets(prefix: tuple, suffix: str, cfg: ModelConfig, layer: int) -> 
     names = ("wq", "wk", "wv") if kind == "weight" else ("bq", "bk", "bv")
     bounds = ((0, q), (q, q + k), (q + k, q + k + v))
     return [Target(prefix + ("attn", n), b) for n, b in zip(names, bounds)]
+  if suffix == "attn_kv_b.weight" and cfg.is_mla:
+    nope = cfg.head_dim - cfg.rope_dims
+    return [Target(prefix + ("attn", name), kv_b=half, heads=cfg.n_heads, nope=nope)
+            for name, half in (("wk_b", "k"), ("wv_b", "v"))]
   if suffix in _BLOCK:
     return [Target(prefix + _BLOCK[suffix])]
   return []
