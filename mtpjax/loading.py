@@ -147,7 +147,3 @@ def load_state(source, cfg: ModelConfig, layout: StageLayout, *, dtype="float32"
   graphdef, abstract, leaves = load_leaves(source, cfg, layout, dtype=dtype,
                                            sharding_fn=sharding_fn, progress=progress)
   return assemble(graphdef, abstract, leaves)
-
-
-def build_model(graphdef: nnx.GraphDef, state: nnx.State) -> GlmModel:
-  return nnx.merge(graphdef, state)
