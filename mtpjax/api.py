@@ -18,12 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mtpjax import checkpoint, loading, runtime_options, sharding, speculative
-from mtpjax.engine.decode import Engine, EngineConfig
+from mtpjax import checkpoint, errors, loading, runtime_options, sharding, speculative
+from mtpjax.engine.decode import Engine, EngineConfig, pow2_bucket
 from mtpjax.engine.generate import AdaptiveDrafting, Request, Result, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.models.config import ModelConfig, config_from_gguf
-from mtpjax.models.glm4_moe import StageLayout, init_kv
+from mtpjax.models.glm4_moe import StageLayout, init_kv, previous_hidden
 from mtpjax.package.manifest import parse_manifest
 from mtpjax.package.reader import open_source
 
@@ -41,13 +41,6 @@ class CheckpointSource:
   metadata: dict
   tensors: dict
   layer_count: int
-
-
-def _bucket(n: int, minimum: int = 16) -> int:
-  size = minimum
-  while size < n:
-    size *= 2
-  return size
 
 
 class Model:
@@ -138,7 +131,7 @@ class Model:
 
   def _padded(self, token_ids) -> tuple[jax.Array, int]:
     ids = np.asarray(token_ids, np.int32).reshape(-1)
-    padded = np.zeros((1, _bucket(ids.size)), np.int32)
+    padded = np.zeros((1, pow2_bucket(ids.size)), np.int32)
     padded[0, :ids.size] = ids
     return jnp.asarray(padded), ids.size
 
@@ -161,12 +154,12 @@ class Model:
   def mtp_logits(self, token_ids) -> np.ndarray:
     """[T, vocab]: row k = token ids[k] at position k with hidden row k-1 (zero for row 0)."""
     if not self.has_mtp:
-      raise speculative.SpeculativeConfigError(
+      raise errors.SpeculativeConfigError(
           "this model has no NextN (MTP) block", path=str(self.source.path),
           field="blk.N.nextn.*", remedy="use a GGUF or package that includes the MTP head")
     weights = self.weights(with_mtp=True)
     tokens, n, hidden, _ = self._trunk(token_ids, weights)
-    prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
+    prev = previous_hidden(hidden)
     return np.asarray(self._jit_mtp(weights[0], weights[1], tokens, prev)[0, :n], np.float32)
 
   # --- decoding -----------------------------------------------------------------------------
@@ -211,7 +204,7 @@ class Model:
     native_mtp = (self.generation_settings.native_mtp if speculative is None
                   else self.resolve(speculative).native_mtp)
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
-    max_len = max(128, _bucket(prompt.size + max_new_tokens + 1))
+    max_len = max(128, pow2_bucket(prompt.size + max_new_tokens + 1))
     engine = self.engine(native_mtp=native_mtp, max_len=max_len, timing=timing)
     request = Request(prompt=prompt, max_new_tokens=int(max_new_tokens),
                       sampler=SamplerParams(temperature, top_k, top_p, seed),

@@ -27,7 +27,7 @@ from absl import app, flags
 
 import mtpjax
 from mtpjax import errors
-from mtpjax.engine.decode import warm_up
+from mtpjax.engine.decode import pow2_bucket, warm_up
 from mtpjax.engine.generate import Request, Result, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.gguf.tokenizer import GgufTokenizer
@@ -54,13 +54,6 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weight 
 
 _REPORTED_FLAGS = (_SOURCE, _NEW_TOKENS, _PROMPTS, _PROMPT_LEN, _SLOTS, _MTP_COPIES_TRUNK,
                    _SEED, _PROMPTS_FROM, _ROUNDS, _TEMPERATURE, _TOP_P, _DTYPE)
-
-
-def _pow2_at_least(n: int, minimum: int = 16) -> int:
-  size = minimum
-  while size < n:
-    size *= 2
-  return size
 
 
 def _open_model(tmp: pathlib.Path):
@@ -131,7 +124,7 @@ def main(argv):
 
 def _measure(model, source: str, load_s: float, slots: int) -> dict:
   """MTP off and on, alternating, at one slot count; returns the JSON line."""
-  bucket = _pow2_at_least(_PROMPT_LEN.value + 1)
+  bucket = pow2_bucket(_PROMPT_LEN.value + 1)
   max_len = max(_PROMPT_LEN.value + _NEW_TOKENS.value + 1, bucket - 2)
   engine_kwargs = dict(slots=slots, max_len=max_len, prefill_buckets=(bucket,))
   engines = {mode: model.engine(native_mtp=mode == "on", **engine_kwargs)

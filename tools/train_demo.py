@@ -33,7 +33,7 @@ from mtpjax import loading
 from mtpjax.gguf import names
 from mtpjax.gguf.tokenizer import PRE_TOKENIZER_REGEX, GgufTokenizer
 from mtpjax.models.config import ModelConfig
-from mtpjax.models.glm4_moe import StageLayout, init_kv
+from mtpjax.models.glm4_moe import StageLayout, init_kv, previous_hidden
 from mtpjax.package.writer import split_gguf
 from mtpjax.testing import tiny_glm
 from mtpjax.testing.corpus import split_corpus
@@ -122,7 +122,7 @@ def losses(graphdef, state, tokens, mtp_weight):
   kv = init_kv(model.cfg, model.cfg.n_layers, b, t, jnp.float32)
   hidden, _ = model.forward(tokens, positions, kv)
   trunk_logits = model.lm_logits(hidden)[:, :-1]
-  prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
+  prev = previous_hidden(hidden)
   z, _ = model.mtp_hidden(tokens, prev, positions, init_kv(model.cfg, 1, b, t, jnp.float32)[0])
   mtp_logits = model.mtp_logits(z)[:, :-1]
   targets = tokens[:, 1:]

@@ -27,10 +27,18 @@ from flax import nnx
 from mtpjax import errors
 from mtpjax.engine.sampling import SamplerParams, request_key, sample
 from mtpjax.models.config import ModelConfig
-from mtpjax.models.glm4_moe import init_kv
+from mtpjax.models.glm4_moe import init_kv, previous_hidden
 
 # ResultTokens columns: one int32 [B, 4] array per step means one device->host copy.
 TOKEN_A, TOKEN_B, COUNT, ACCEPTED = range(4)
+
+
+def pow2_bucket(n: int, minimum: int = 16) -> int:
+  """The smallest power-of-two length >= n (and >= minimum): padded shapes compile once each."""
+  size = minimum
+  while size < n:
+    size *= 2
+  return size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +265,7 @@ def prefill_commit(model, engine_cfg: EngineConfig, tokens, hidden, length,
   mtp_kv, draft = None, jnp.zeros((1,), jnp.int32)
   if engine_cfg.native_mtp:
     mtp_tokens = jax.lax.dynamic_update_index_in_dim(tokens, first, length, axis=1)
-    prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
+    prev = previous_hidden(hidden)
     mtp_kv = init_kv(model.cfg, 1, 1, engine_cfg.cache_len, model.dtype)[0]
     z, mtp_kv = model.mtp_hidden(mtp_tokens, prev, positions, mtp_kv)
     z_last = jax.lax.dynamic_index_in_dim(z, length, axis=1, keepdims=False)

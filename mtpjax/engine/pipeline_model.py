@@ -19,7 +19,7 @@ from mtpjax import api, errors, loading, sharding, speculative
 from mtpjax.engine.decode import EngineConfig
 from mtpjax.engine.pipeline import PipelinedEngine, PipelinePlan, make_hops, pipeline_mesh, \
     plan_pipeline
-from mtpjax.models.glm4_moe import init_kv
+from mtpjax.models.glm4_moe import init_kv, previous_hidden
 
 
 class PipelinedModel(api.Model):
@@ -95,7 +95,7 @@ class PipelinedModel(api.Model):
     out = self._run_stages(tokens, weights)
     if out is not None:
       hidden = out[0]
-      prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
+      prev = previous_hidden(hidden)
       graphdef, state = weights[self.last]
       out = self._jit_mtp(graphdef, state, jax.device_put(tokens, self.hops.shardings[self.last]),
                           prev)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtpjax.models.config import ModelConfig
-from mtpjax.models.layers import DecoderBlock, RMSNorm, _param, linear, rms_norm
+from mtpjax.models.layers import DecoderBlock, RMSNorm, _param, linear
 from mtpjax.models.mla import mla_cache_shapes
 
 
@@ -115,6 +115,15 @@ class GlmModel(nnx.Module):
     return self.lm_logits(z)
 
 
+def previous_hidden(hidden: jax.Array) -> jax.Array:
+  """The MTP head's hidden input for every row of a sequence: row p gets h_{p-1}, row 0 zeros.
+
+  This pairing (MODEL.md §7, llama.cpp's convention) is what makes MTP rows comparable with
+  llama.cpp's and keeps row 0 of the MTP KV cache well defined. hidden: [B, T, D].
+  """
+  return jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
+
+
 def kv_cache_shapes(cfg: ModelConfig, n_layers: int, batch: int, max_len: int) -> list:
   """Shapes of the per-layer (k, v) caches: [B, S, Hkv, head_dim] and [B, S, Hkv, value_dim].
 
@@ -131,4 +140,5 @@ def init_kv(cfg: ModelConfig, n_layers: int, batch: int, max_len: int, dtype) ->
           for ks, vs in kv_cache_shapes(cfg, n_layers, batch, max_len)]
 
 
-__all__ = ["GlmModel", "MtpHead", "StageLayout", "init_kv", "kv_cache_shapes", "rms_norm"]
+__all__ = ["GlmModel", "MtpHead", "StageLayout", "init_kv", "kv_cache_shapes",
+           "previous_hidden"]
