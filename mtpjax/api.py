@@ -240,6 +240,8 @@ def load(source, *, dtype: str = "float32", stages: int = 1, splits=None, config
     from mtpjax.engine import pipeline_model  # imports this module
     return pipeline_model.load_pipelined(source, dtype=dtype, stages=stages, splits=splits,
                                          config=config)
+  if mesh is None and mesh_cfg is not None and mesh_cfg.tensor != 1:
+    mesh = sharding.make_mesh(stages=1, tensor=mesh_cfg.tensor)   # fails before any I/O
   src, cfg, checkpoint_dir = _open(source)
   model_name = config.model.name if config is not None else DEFAULT_MODEL_NAME
   resolution = speculative.resolve_for_source(config or {}, model_name, src)

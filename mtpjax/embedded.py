@@ -24,8 +24,10 @@ from typing import Any
 from absl import logging
 
 from mtpjax import errors
+from mtpjax.gguf import tensors as gguf_tensors
+from mtpjax.gguf import tokenizer as gguf_tokenizer
+from mtpjax.package import gguf_kv, reader, writer
 from mtpjax.package import manifest as manifest_lib
-from mtpjax.package import writer
 from mtpjax.testing import tiny_glm
 
 DEMO_PACKAGE = pathlib.Path(__file__).resolve().parent / "assets" / "glm-demo"
@@ -34,7 +36,8 @@ EMBEDDED_SPEC = tiny_glm.TinyGlmSpec(mtp_copies_trunk=True)
 EMBEDDED_MODEL_ID = "mtpjax/embedded-tiny-glm:F32"
 # The modules whose code decides the package's bytes: a change to any of them (new weights
 # recipe, tokenizer, package layout) must not be served from a stale cache.
-_RECIPE_MODULES = (tiny_glm, writer)
+_RECIPE_MODULES = (tiny_glm, writer, reader, manifest_lib, gguf_kv, gguf_tensors,
+                   gguf_tokenizer)
 
 
 def cache_root(cache_dir: str | None = None) -> pathlib.Path:

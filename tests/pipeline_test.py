@@ -154,6 +154,15 @@ class TwoStagesTest(_PipelineCase, absltest.TestCase):
                      [self.ref["on"].tokens, self.ref["sampled"].tokens,
                       self.ref["short"].tokens])
 
+  def test_steps_update_the_stage_caches_in_place(self):
+    """The step donates each stage's KV cache, as the single-device engine donates its state."""
+    engine = self.model.engine(native_mtp=True, slots=4, max_len=128)
+    state = engine.init_state()
+    before = [jax.tree.leaves(kv) for kv in state.groups[0].kv]
+    state, _, _ = engine.step(state, np.zeros(4, bool))
+    for stage_leaves in before:
+      self.assertTrue(all(leaf.is_deleted() for leaf in stage_leaves))
+
 
 class FourStagesTest(_PipelineCase, absltest.TestCase):
   """3 trunk layers + NextN over 4 stages: the last stage holds only the NextN block."""

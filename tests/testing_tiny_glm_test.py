@@ -5,7 +5,6 @@ and the model's behaviour (routing margins, MTP-copies-trunk drafts) against a p
 forward written here from MODEL.md §6-§7, independent of any mtpjax model code.
 """
 
-import dataclasses
 import tempfile
 from pathlib import Path
 

@@ -27,11 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mtpjax import loading
 from mtpjax.gguf import names
-from mtpjax.gguf.tokenizer import PRE_TOKENIZER_REGEX, GgufTokenizer
+from mtpjax.gguf.tokenizer import GgufTokenizer, glm_pre_tokenizer
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.glm4_moe import StageLayout, init_kv, previous_hidden
 from mtpjax.package.writer import split_gguf
@@ -58,9 +58,7 @@ flags.DEFINE_integer("corpus_files", 0, "use only the first N corpus files (0: a
 def train_tokenizer(texts: list[str], vocab_size: int) -> dict:
   """GGUF tokenizer key/values of a byte-level BPE trained with GLM's pre-tokenizer."""
   tok = Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.Sequence([
-      pre_tokenizers.Split(Regex(PRE_TOKENIZER_REGEX["glm4"]), behavior="isolated"),
-      pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+  tok.pre_tokenizer = glm_pre_tokenizer()
   tok.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(tiny_glm.SPECIAL_TOKENS),
                                 show_progress=False,

@@ -33,6 +33,19 @@ from mtpjax.models.glm4_moe import init_kv, previous_hidden
 TOKEN_A, TOKEN_B, COUNT, ACCEPTED = range(4)
 
 
+def counted(trace_counts: dict[str, int], name: str, fn: Callable) -> Callable:
+  """`fn`, counting its traces under `name` (tests assert one trace per shape).
+
+  `wraps` keeps fn's signature visible to jax.jit: without it `donate_argnames` cannot find
+  the donated arguments among positional ones and silently donates nothing.
+  """
+  @functools.wraps(fn)
+  def traced(*args, **kwargs):
+    trace_counts[name] = trace_counts.get(name, 0) + 1
+    return fn(*args, **kwargs)
+  return traced
+
+
 def pow2_bucket(n: int, minimum: int = 16) -> int:
   """The smallest power-of-two length >= n (and >= minimum): padded shapes compile once each."""
   size = minimum
@@ -53,6 +66,27 @@ class EngineConfig:
   def cache_len(self) -> int:
     """Two spare rows hold the verify and draft rows of the last step."""
     return self.max_len + 2
+
+  def padded_prompt(self, prompt) -> tuple[np.ndarray, int]:
+    """(tokens [1, bucket], prompt length): the bucket leaves one row for the first sampled
+    token's MTP row; an empty prompt or one without room to generate is refused."""
+    prompt = np.asarray(prompt, np.int32).reshape(-1)
+    if prompt.size == 0:
+      raise errors.MtpjaxError("the prompt is empty", field="prompt",
+                               remedy="pass at least one token id")
+    if prompt.size >= self.max_len:
+      raise errors.MtpjaxError(
+          f"a prompt of {prompt.size} tokens leaves no room in max_len {self.max_len}",
+          field="prompt", remedy="shorten the prompt or raise engine.max_len")
+    tokens = np.zeros((1, self.bucket_for(prompt.size + 1)), np.int32)
+    tokens[0, :prompt.size] = prompt
+    return tokens, int(prompt.size)
+
+  def check_model(self, cfg: ModelConfig) -> None:
+    if self.native_mtp and not cfg.has_mtp:
+      raise errors.SpeculativeConfigError(
+          "native MTP requested but the model has no NextN block", field="native_mtp",
+          remedy="set the speculative strategy to disabled")
 
   def bucket_for(self, length: int) -> int:
     for bucket in self.prefill_buckets:
@@ -94,10 +128,7 @@ class Engine:
 
   def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, cfg: ModelConfig,
                engine_cfg: EngineConfig, *, dtype=jnp.float32):
-    if engine_cfg.native_mtp and not cfg.has_mtp:
-      raise errors.SpeculativeConfigError(
-          "native MTP requested but the model has no NextN block", field="native_mtp",
-          remedy="set the speculative strategy to disabled")
+    engine_cfg.check_model(cfg)
     self.graphdef = graphdef
     self.params = params
     self.cfg = cfg
@@ -117,13 +148,7 @@ class Engine:
       self._decode = jax.jit(self._counted("decode", self._decode_fn), donate_argnames=("state",))
 
   def _counted(self, name: str, fn: Callable) -> Callable:
-    # `wraps` keeps fn's signature visible to jax.jit: without it `donate_argnames` cannot
-    # find `state` among positional arguments and silently donates nothing.
-    @functools.wraps(fn)
-    def traced(*args, **kwargs):
-      self.trace_counts[name] = self.trace_counts.get(name, 0) + 1
-      return fn(*args, **kwargs)
-    return traced
+    return counted(self.trace_counts, name, fn)
 
   # --- state --------------------------------------------------------------------------------
 
@@ -142,20 +167,9 @@ class Engine:
 
   def prefill(self, prompt: np.ndarray, sampler: SamplerParams) -> DecodeState:
     """Run a prompt; the bucket leaves one row for the first sampled token's MTP row."""
-    prompt = np.asarray(prompt, np.int32).reshape(-1)
-    if prompt.size == 0:
-      raise errors.MtpjaxError("the prompt is empty", field="prompt",
-                               remedy="pass at least one token id")
-    if prompt.size >= self.engine_cfg.max_len:
-      raise errors.MtpjaxError(
-          f"a prompt of {prompt.size} tokens leaves no room in max_len "
-          f"{self.engine_cfg.max_len}", field="prompt",
-          remedy="shorten the prompt or raise engine.max_len")
-    bucket = self.engine_cfg.bucket_for(prompt.size + 1)
-    tokens = np.zeros((1, bucket), np.int32)
-    tokens[0, :prompt.size] = prompt
+    tokens, length = self.engine_cfg.padded_prompt(prompt)
     keys, temperature, top_k, top_p = _sampler_arrays(sampler.validate())
-    return self._prefill(self.params, jnp.asarray(tokens), jnp.int32(prompt.size), keys,
+    return self._prefill(self.params, jnp.asarray(tokens), jnp.int32(length), keys,
                          temperature, top_k, top_p)
 
   def _prefill_fn(self, params, tokens, length, keys, temperature, top_k, top_p) -> DecodeState:

@@ -117,10 +117,7 @@ class PipelinedEngine:
 
   def __init__(self, stage_weights: list, layouts: list[StageLayout], hops, cfg: ModelConfig,
                engine_cfg: EngineConfig, *, dtype=jnp.float32):
-    if engine_cfg.native_mtp and not cfg.has_mtp:
-      raise errors.SpeculativeConfigError(
-          "native MTP requested but the model has no NextN block", field="native_mtp",
-          remedy="set the speculative strategy to disabled")
+    engine_cfg.check_model(cfg)
     self.graphdefs = [None if w is None else w[0] for w in stage_weights]
     self.params = [None if w is None else w[1] for w in stage_weights]
     self.layouts = layouts
@@ -133,15 +130,14 @@ class PipelinedEngine:
     self.trace_counts: dict[str, int] = {}
     self._prefill = [jax.jit(self._counted("prefill", functools.partial(self._prefill_fn, s)))
                      for s in range(len(layouts))]
+    # The caches are donated (updated in place); the small control state is not, because the
+    # step's input tokens are views of it on a single-stage pipeline.
     self._step = [jax.jit(self._counted("step", functools.partial(self._step_fn, s)),
-                          donate_argnames=("kv", "control")) for s in range(len(layouts))]
+                          donate_argnames=("kv",)) for s in range(len(layouts))]
     self._insert = jax.jit(self._counted("insert", Engine._insert_fn), donate_argnames=("state",))
 
   def _counted(self, name: str, fn):
-    def traced(*args, **kwargs):
-      self.trace_counts[name] = self.trace_counts.get(name, 0) + 1
-      return fn(*args, **kwargs)
-    return traced
+    return decode.counted(self.trace_counts, name, fn)
 
   def _width(self, batch: int, tokens: int) -> tuple:
     """Shapes of one hop: the activation [B, T, D] and its positions [B, T]."""
@@ -196,24 +192,13 @@ class PipelinedEngine:
                                  sampler), kv
 
   def prefill(self, prompt: np.ndarray, sampler: SamplerParams) -> PipelinePrefix:
-    prompt = np.asarray(prompt, np.int32).reshape(-1)
-    ec = self.engine_cfg
-    if prompt.size == 0:
-      raise errors.MtpjaxError("the prompt is empty", field="prompt",
-                               remedy="pass at least one token id")
-    if prompt.size >= ec.max_len:
-      raise errors.MtpjaxError(
-          f"a prompt of {prompt.size} tokens leaves no room in max_len {ec.max_len}",
-          field="prompt", remedy="shorten the prompt or raise engine.max_len")
-    bucket = ec.bucket_for(prompt.size + 1)
-    tokens = np.zeros((1, bucket), np.int32)
-    tokens[0, :prompt.size] = prompt
+    tokens, length = self.engine_cfg.padded_prompt(prompt)
     sampler_arrays = decode._sampler_arrays(sampler.validate())
     kv = [None] * len(self.layouts)
     x, control = tokens, None
     for s in range(len(self.layouts)):
       if s > 0:
-        x = self.hops.move(x, s - 1, s, like=self._width(1, bucket)[0])
+        x = self.hops.move(x, s - 1, s, like=self._width(1, tokens.shape[1])[0])
       if not self.hops.local(s):
         continue
       here = self.hops.shardings[s]
@@ -221,7 +206,7 @@ class PipelinedEngine:
       if s < self.last:
         x, kv[s] = self._prefill[s](self.params[s], inp, None)
       else:
-        extra = jax.device_put((tokens, np.int32(prompt.size), sampler_arrays), here)
+        extra = jax.device_put((tokens, np.int32(length), sampler_arrays), here)
         control, kv[s] = self._prefill[s](self.params[s], inp, extra)
     current = self.hops.share(None if control is None else control.current, self.last,
                               like=_ints(1))

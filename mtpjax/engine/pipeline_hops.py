@@ -33,7 +33,6 @@ def owns(mesh: Mesh) -> bool:
 class LocalHops:
   """Single process: every stage is local and a hop is an asynchronous device-to-device copy."""
 
-  multiprocess = False
 
   def __init__(self, stage_meshes: list[Mesh]):
     self.shardings = [replicated(m) for m in stage_meshes]
@@ -53,7 +52,6 @@ class LocalHops:
 class CollectiveHops:
   """Several processes: hops are collectives over a ('stage',) mesh of one lead device per stage."""
 
-  multiprocess = True
 
   def __init__(self, stage_meshes: list[Mesh]):
     self.shardings = [replicated(m) for m in stage_meshes]

@@ -123,6 +123,14 @@ def _parse_merges(merges: Sequence[str], path: str | None) -> list[tuple[str, st
   return pairs
 
 
+def glm_pre_tokenizer(split_regex: str = CHATGLM4_SPLIT_REGEX) -> pre_tokenizers.Sequence:
+  """GLM's pre-tokenization (MODEL.md §12): the split regex, then byte-level mapping."""
+  return pre_tokenizers.Sequence([
+      pre_tokenizers.Split(Regex(split_regex), behavior="isolated"),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+  ])
+
+
 def _build_hf_tokenizer(tokens: Sequence[str], merges: list[tuple[str, str]], split_regex: str,
                         control_ids: frozenset[int], user_ids: Sequence[int],
                         path: str | None) -> tokenizers.Tokenizer:
@@ -136,10 +144,7 @@ def _build_hf_tokenizer(tokens: Sequence[str], merges: list[tuple[str, str]], sp
     raise ConversionError(f"cannot build the BPE model: {e}", path=path, field=MERGES_KEY,
                           remedy="re-convert the model with llama.cpp") from e
   hf_tokenizer = tokenizers.Tokenizer(bpe)
-  hf_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-      pre_tokenizers.Split(Regex(split_regex), behavior="isolated"),
-      pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-  ])
+  hf_tokenizer.pre_tokenizer = glm_pre_tokenizer(split_regex)
   hf_tokenizer.decoder = decoders.ByteLevel()
   # Control tokens (<|user|>, [gMASK]) must match whole inside text and be skippable when
   # decoding; user-defined ones (<think>) must match whole but are ordinary text.

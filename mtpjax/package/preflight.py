@@ -15,7 +15,7 @@ import sys
 
 from mtpjax import errors
 from mtpjax.package import integrity, manifest as manifest_lib, planning
-from mtpjax.package.issues import ERROR, is_int, issue
+from mtpjax.package.issues import errors_of, is_int, issue
 
 REPORT_SCHEMA_VERSION = 1
 _STRATEGY_ECHO_FIELDS = ("type", "prediction_depth", "layer_indices", "window_policy")
@@ -153,7 +153,7 @@ def preflight(package_dir: str | pathlib.Path, *, stages: int | None = None,
       stage_reports, stage_issues = _stage_reports(fields["layer_count"], stages, parts)
       found.extend(stage_issues)
   report: dict = {"schema_version": REPORT_SCHEMA_VERSION, "package_path": str(root),
-                  "valid": not any(item["severity"] == ERROR for item in found), **fields}
+                  "valid": not errors_of(found), **fields}
   if usable and raw.get("generation") is not None:
     report["generation"] = _generation_echo(raw["generation"])
   report.update({

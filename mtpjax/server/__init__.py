@@ -14,7 +14,7 @@ import uvicorn
 from absl import logging
 
 import mtpjax
-from mtpjax import distributed, embedded, errors, sharding, speculative
+from mtpjax import distributed, embedded, errors, speculative
 from mtpjax.engine.decode import warm_up
 from mtpjax.engine.generate import SlotScheduler
 from mtpjax.gguf.tokenizer import ChatTemplate, GgufTokenizer
@@ -61,12 +61,8 @@ def build_service(config) -> Service:
   engine_cfg = config.engine
   max_prompt = _max_prompt_tokens(engine_cfg.max_len, tuple(engine_cfg.prefill_buckets))
   source = embedded.resolve_source(config)
-  pipelined = config.mesh.stages != 1 or config.mesh.splits is not None
-  mesh = None
-  if config.mesh.tensor != 1 and not pipelined:   # a pipelined load builds its own meshes
-    mesh = sharding.make_mesh(stages=1, tensor=config.mesh.tensor)
   started = time.perf_counter()
-  model = mtpjax.load(source, dtype=config.model.dtype, config=config, mesh=mesh)
+  model = mtpjax.load(source, dtype=config.model.dtype, config=config)
   resolution = model.resolution
   logging.info("loaded %s in %.1f s", source, time.perf_counter() - started)
   logging.info("native MTP %s: %s", "on" if resolution.native_mtp else "off", resolution.reason)

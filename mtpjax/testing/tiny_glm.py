@@ -28,6 +28,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType, TokenType
 
 from mtpjax.gguf.tensors import keeps_f32
+from mtpjax.gguf.tokenizer import DEFAULT_GLM_CHAT_TEMPLATE, glm_pre_tokenizer
 
 ARCH = "glm4moe"
 
@@ -35,14 +36,8 @@ ARCH = "glm4moe"
 SPECIAL_TOKENS = ("<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>",
                   "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
 
-# The minimal GLM chat template used by the glm4moe-tiny fixture.
-CHAT_TEMPLATE = ("[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
-                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-
-# GLM-4 pre-tokenizer (CHATGLM4 regex, MODEL.md §12), used to learn the tiny merges.
-_GLM4_PRETOKENIZE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|"
-                     r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                     r"\s*[\r\n]+|\s+(?!\S)|\s+")
+# The minimal GLM chat template, as the glm4moe-tiny fixture carries it.
+CHAT_TEMPLATE = DEFAULT_GLM_CHAT_TEMPLATE
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A tiny model is still a model: it has an
@@ -182,12 +177,7 @@ def _byte_alphabet() -> list[str]:
 @functools.lru_cache(maxsize=8)
 def _learn_vocab(n_regular: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
   """Byte alphabet + merges learned greedily from `_CORPUS` (ties broken lexicographically)."""
-  from tokenizers import Regex, pre_tokenizers  # only needed when building a vocab
-
-  pre = pre_tokenizers.Sequence([
-      pre_tokenizers.Split(Regex(_GLM4_PRETOKENIZE), behavior="isolated"),
-      pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
-  words = Counter(piece for piece, _ in pre.pre_tokenize_str(_CORPUS))
+  words = Counter(piece for piece, _ in glm_pre_tokenizer().pre_tokenize_str(_CORPUS))
   words = {tuple(w): n for w, n in words.items()}
   tokens = _byte_alphabet()
   merges = []
