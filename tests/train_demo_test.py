@@ -33,8 +33,9 @@ class TrainDemoTest(absltest.TestCase):
     super().setUpClass()
     cls.tmp = tempfile.TemporaryDirectory()
     cls.package = pathlib.Path(cls.tmp.name) / "demo"
-    run = subprocess.run([sys.executable, "tools/train_demo.py", f"--out={cls.package}", *FLAGS],
-                         cwd=REPO, capture_output=True, text=True, timeout=900)
+    # `-m` from the checkout: the trainer imports mtpjax whether or not it is installed.
+    command = [sys.executable, "-m", "tools.train_demo", f"--out={cls.package}", *FLAGS]
+    run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     if run.returncode != 0:
       raise AssertionError(f"train_demo failed:\n{run.stderr[-3000:]}")
     cls.card = json.loads(run.stdout.strip().splitlines()[-1])
