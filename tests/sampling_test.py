@@ -10,7 +10,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from mtpjax import errors
-from mtpjax.engine.sampling import SamplerParams, request_key, sample
+from mtpjax.engine.sampling import SamplerParams, greedy_tokens, request_key, sample
 
 _sample = jax.jit(sample)
 
@@ -92,6 +92,23 @@ class GreedyTest(parameterized.TestCase):
     got = np.stack(got)
     self.assertTrue((got[:, 0] == 1).all())         # the greedy row never moves
     self.assertGreater(len(set(got[:, 1])), 2)     # the sampled row does
+
+
+class GreedyTokensTest(absltest.TestCase):
+
+  def test_first_maximal_index_like_numpy_argmax(self):
+    rng = np.random.default_rng(3)
+    logits = rng.integers(-3, 4, size=(64, 37)).astype(np.float32)   # many ties
+    logits[5] = -np.inf
+    logits[6, 11] = np.inf
+    got = np.asarray(jax.jit(greedy_tokens)(jnp.asarray(logits)))
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+    self.assertEqual(got.dtype, np.int32)
+    self.assertEqual((got[5], got[6]), (0, 11))
+
+  def test_a_nan_row_gives_token_zero(self):
+    row = np.array([[1.0, np.nan, 3.0]], np.float32)
+    self.assertEqual(int(greedy_tokens(jnp.asarray(row))[0]), 0)
 
 
 class DistributionTest(parameterized.TestCase):

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from mtpjax import errors
-from mtpjax.engine.sampling import SamplerParams, request_key, sample
+from mtpjax.engine.sampling import SamplerParams, greedy_tokens, request_key, sample
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.glm4_moe import init_kv, previous_hidden
 
@@ -131,6 +131,9 @@ class Engine:
     engine_cfg.check_model(cfg)
     self.graphdef = graphdef
     self.params = params
+    # Steps take the parameters as a flat list of arrays: flattening the nnx.State (Python
+    # callbacks per Variable) on every call costs a few hundred microseconds per step.
+    self._leaves, self._treedef = jax.tree.flatten(params)
     self.cfg = cfg
     self.engine_cfg = engine_cfg
     self.dtype = dtype
@@ -149,6 +152,9 @@ class Engine:
 
   def _counted(self, name: str, fn: Callable) -> Callable:
     return counted(self.trace_counts, name, fn)
+
+  def _model(self, leaves):
+    return nnx.merge(self.graphdef, jax.tree.unflatten(self._treedef, leaves))
 
   # --- state --------------------------------------------------------------------------------
 
@@ -169,11 +175,11 @@ class Engine:
     """Run a prompt; the bucket leaves one row for the first sampled token's MTP row."""
     tokens, length = self.engine_cfg.padded_prompt(prompt)
     keys, temperature, top_k, top_p = _sampler_arrays(sampler.validate())
-    return self._prefill(self.params, jnp.asarray(tokens), jnp.int32(length), keys,
+    return self._prefill(self._leaves, jnp.asarray(tokens), jnp.int32(length), keys,
                          temperature, top_k, top_p)
 
-  def _prefill_fn(self, params, tokens, length, keys, temperature, top_k, top_p) -> DecodeState:
-    model = nnx.merge(self.graphdef, params)
+  def _prefill_fn(self, leaves, tokens, length, keys, temperature, top_k, top_p) -> DecodeState:
+    model = self._model(leaves)
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
     kv = init_kv(self.cfg, self.cfg.n_layers, 1, self.engine_cfg.cache_len, self.dtype)
     hidden, kv = model.forward(tokens, positions, kv)
@@ -202,51 +208,51 @@ class Engine:
     """
     active = jnp.asarray(active, bool)
     if not self.engine_cfg.native_mtp:
-      state, result = self._decode(self.params, state, active)
+      state, result = self._decode(self._leaves, state, active)
       return state, np.asarray(result), {}
     drafting = np.ones(active.shape, bool) if drafting is None else np.asarray(drafting, bool)
     live = np.asarray(active)
     if not (drafting[live].any() if live.any() else drafting.any()):
-      state, result = self._maintain(self.params, state, active)
+      state, result = self._maintain(self._leaves, state, active)
       return state, np.asarray(result), {}
     drafting = jnp.asarray(drafting)
     if not self.engine_cfg.timing:
-      state, result = self._fused(self.params, state, active, drafting)
+      state, result = self._fused(self._leaves, state, active, drafting)
       return state, np.asarray(result), {}
     start = time.perf_counter()
-    state, verified = self._verify(self.params, state, active)
+    state, verified = self._verify(self._leaves, state, active)
     jax.block_until_ready(verified)
     mid = time.perf_counter()
-    state, result = self._draft(self.params, state, verified, active, drafting)
+    state, result = self._draft(self._leaves, state, verified, active, drafting)
     result = np.asarray(result)
     end = time.perf_counter()
     return state, result, {"verification_compute_us": int((mid - start) * 1e6),
                            "proposal_compute_us": int((end - mid) * 1e6)}
 
-  def _decode_fn(self, params, state: DecodeState, active):
-    model = nnx.merge(self.graphdef, params)
+  def _decode_fn(self, leaves, state: DecodeState, active):
+    model = self._model(leaves)
     hidden, kv = model.forward(
         *step_inputs(state.current, state.draft, state.pos, native_mtp=False), state.kv)
     state, result = decode_commit(model, state, hidden, active)
     return state.replace(kv=kv), result
 
-  def _verify_fn(self, params, state: DecodeState, active):
+  def _verify_fn(self, leaves, state: DecodeState, active):
     """Target pass over [current, draft]; returns the sampled tokens and hiddens."""
-    model = nnx.merge(self.graphdef, params)
+    model = self._model(leaves)
     hidden, kv = model.forward(
         *step_inputs(state.current, state.draft, state.pos, native_mtp=True), state.kv)
     return state.replace(kv=kv), verify_tokens(model, state, hidden)
 
-  def _draft_fn(self, params, state: DecodeState, verified, active, drafting):
-    return draft_commit(nnx.merge(self.graphdef, params), state, verified, active, drafting)
+  def _draft_fn(self, leaves, state: DecodeState, verified, active, drafting):
+    return draft_commit(self._model(leaves), state, verified, active, drafting)
 
-  def _fused_fn(self, params, state: DecodeState, active, drafting):
-    state, verified = self._verify_fn(params, state, active)
-    return self._draft_fn(params, state, verified, active, drafting)
+  def _fused_fn(self, leaves, state: DecodeState, active, drafting):
+    state, verified = self._verify_fn(leaves, state, active)
+    return self._draft_fn(leaves, state, verified, active, drafting)
 
-  def _maintain_fn(self, params, state: DecodeState, active):
+  def _maintain_fn(self, leaves, state: DecodeState, active):
     """Plain decode that still writes the committed token's MTP KV row (no MTP head)."""
-    model = nnx.merge(self.graphdef, params)
+    model = self._model(leaves)
     hidden, kv = model.forward(
         *step_inputs(state.current, state.draft, state.pos, native_mtp=False), state.kv)
     return mtp_maintain_commit(model, state.replace(kv=kv), hidden, active)
@@ -283,7 +289,7 @@ def prefill_commit(model, engine_cfg: EngineConfig, tokens, hidden, length,
     mtp_kv = init_kv(model.cfg, 1, 1, engine_cfg.cache_len, model.dtype)[0]
     z, mtp_kv = model.mtp_hidden(mtp_tokens, prev, positions, mtp_kv)
     z_last = jax.lax.dynamic_index_in_dim(z, length, axis=1, keepdims=False)
-    draft = jnp.argmax(model.mtp_logits(z_last), axis=-1).astype(jnp.int32)
+    draft = greedy_tokens(model.mtp_logits(z_last))
   return DecodeState(kv=[], mtp_kv=mtp_kv, pos=length[None], current=first, draft=draft,
                      h_prev=last, keys=keys, temperature=temperature, top_k=top_k, top_p=top_p)
 
@@ -324,7 +330,7 @@ def draft_commit(model, state: DecodeState, verified, active,
   z, mtp_kv = model.mtp_hidden(rows, hidden, positions, state.mtp_kv)
   # Only the row of the new `current` drafts; the head (the draft's largest cost) runs once.
   z_next = jnp.where(accept[:, None], z[:, 1], z[:, 0])
-  draft = jnp.argmax(model.mtp_logits(z_next), axis=-1).astype(jnp.int32)   # [B]
+  draft = greedy_tokens(model.mtp_logits(z_next))                          # [B]
   step = jnp.where(accept, 2, 1)
   result = jnp.stack([token_a, token_b, step, accept.astype(jnp.int32)], axis=1)
   keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
