@@ -19,6 +19,7 @@ from mtpjax.gguf import names
 from mtpjax.gguf.tensors import dequantize
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.glm4_moe import GlmModel, StageLayout
+from mtpjax.models.layers import LinearWeight
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -53,6 +54,12 @@ def flat_paths(state: nnx.State) -> dict[tuple, jax.ShapeDtypeStruct]:
       out[prefix] = node
   walk(pure, ())
   return out
+
+
+def linear_weight_paths(state: nnx.State) -> frozenset[tuple]:
+  """Paths of the `LinearWeight` leaves: each holds the transpose of its GGUF tensor."""
+  return frozenset(tuple(path) for path, leaf in nnx.to_flat_state(state)
+                   if isinstance(leaf, LinearWeight))
 
 
 def unflatten(leaves: dict[tuple, object]) -> dict:
@@ -90,6 +97,7 @@ def load_leaves(source, cfg: ModelConfig, layout: StageLayout, *, dtype="float32
   """
   graphdef, abstract = abstract_model(cfg, layout, dtype)
   expected = {p: s for p, s in flat_paths(abstract).items() if keep is None or keep(p)}
+  transposed = linear_weight_paths(abstract)
   filled: dict[tuple, jax.Array] = {}
   start, end = stage_gguf_range(cfg, layout)
   extra = ["token_embd.weight"] if (("embed",) in expected and not layout.embeddings) else []
@@ -111,6 +119,8 @@ def load_leaves(source, cfg: ModelConfig, layout: StageLayout, *, dtype="float32
     array = dequantize(info.name, info.ggml_type, info.ne, raw, dtype=deq_dtype)
     for target in targets:
       part = target.take(array)
+      if target.path in transposed:
+        part = part.T
       want = expected.get(target.path)
       if want is None or tuple(part.shape) != tuple(want.shape):
         raise errors.ConversionError(

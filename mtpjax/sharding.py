@@ -16,13 +16,14 @@ from mtpjax import errors
 STAGE, TENSOR = "stage", "tensor"
 
 # leaf name -> index of the dimension split over `tensor` (negative: from the end).
+# Projections are `LinearWeight`s stored [in, out], so an output split is the last dimension.
 _SPLIT_DIM = {
-    "wq": 0, "wk": 0, "wv": 0, "bq": 0, "bk": 0, "bv": 0,   # attention heads (output rows)
-    "wq_b": 0, "wk_b": 0, "wv_b": 0,                         # MLA per-head up-projections
-    "wo": -1,                                               # attention heads (input columns)
-    "gate": 0, "up": 0, "down": -1,                          # dense / shared-expert FFN width
-    "gate_exps": 0, "up_exps": 0, "down_exps": 0,           # experts
-    "embed": 0, "head": 0,                                   # vocabulary
+    "wq": -1, "wk": -1, "wv": -1, "bq": 0, "bk": 0, "bv": 0,  # attention heads (outputs)
+    "wq_b": -1, "wk_b": 0, "wv_b": 0,                         # MLA per-head up-projections
+    "wo": 0,                                                 # attention heads (inputs)
+    "gate": -1, "up": -1, "down": 0,                          # dense / shared-expert FFN width
+    "gate_exps": 0, "up_exps": 0, "down_exps": 0,            # experts
+    "embed": 0, "head": -1,                                   # vocabulary
 }
 
 

@@ -198,10 +198,11 @@ class ShardedRestoreTest(absltest.TestCase):
     leaves = _leaves(self.restored)
     for path, array in leaves.items():
       self.assertEqual(array.sharding, fn(path, array.shape), msg=str(path))
-    # The roles the rules name are all there, and really split four ways.
-    for path, dim in ((("layers", 0, "attn", "wq"), 0), (("layers", 1, "ffn", "gate_exps"), 0),
-                      (("embed",), 0), (("mtp", "embed"), 0), (("layers", 2, "attn", "wo"), 1),
-                      (("mtp", "block", "ffn", "down_exps"), 0)):
+    # The roles the rules name are all there, and really split four ways. Projections are
+    # stored [in, out]: q heads split on dim 1, o heads (its inputs) on dim 0.
+    for path, dim in ((("layers", 0, "attn", "wq"), 1), (("layers", 1, "ffn", "gate_exps"), 0),
+                      (("embed",), 0), (("mtp", "embed"), 0), (("layers", 2, "attn", "wo"), 0),
+                      (("mtp", "block", "ffn", "down_exps"), 0), (("head",), 1)):
       array = leaves[path]
       self.assertLen(array.sharding.device_set, 4, msg=str(path))
       shard_shapes = {s.data.shape[dim] for s in array.addressable_shards}
@@ -243,11 +244,14 @@ class PackageAndDtypeTest(absltest.TestCase):
     for path, array in leaves.items():
       want = np.float32 if path[-1] in _F32_LEAVES else bf16
       self.assertEqual(np.dtype(array.dtype), want, msg=str(path))
-    for path, name in ((("layers", 1, "ffn", "gate_exps"), "blk.1.ffn_gate_exps.weight"),
-                       (("embed",), "token_embd.weight"),
-                       (("mtp", "eh_proj"), "blk.3.nextn.eh_proj.weight")):
+    # GGUF [out, in] tensors; projections (eh_proj) are stored transposed.
+    for path, name, layout in ((("layers", 1, "ffn", "gate_exps"), "blk.1.ffn_gate_exps.weight",
+                                lambda a: a),
+                               (("embed",), "token_embd.weight", lambda a: a),
+                               (("mtp", "eh_proj"), "blk.3.nextn.eh_proj.weight", np.transpose)):
       np.testing.assert_array_equal(np.asarray(leaves[path]),
-                                    master[name].astype(ml_dtypes.bfloat16), err_msg=str(path))
+                                    layout(master[name].astype(ml_dtypes.bfloat16)),
+                                    err_msg=str(path))
 
 
 if __name__ == "__main__":

@@ -200,14 +200,19 @@ class MtpEngineTest(parameterized.TestCase):
     hidden, kv, mtp_kv, mtp_logits = scratch_passes(self.graphdef, self.params,
                                                     jnp.asarray(padded))
     np.testing.assert_allclose(state.h_prev[slot], hidden[0, pos - 1], atol=ATOL, rtol=ATOL)
+    # Caches are k [B, Hkv, S, hd] and v [B, Hkv, vd, S]: rows sit on axis 2 and 3.
+    k_rows = lambda cache, b, n: np.asarray(cache)[b, :, :n]
+    v_rows = lambda cache, b, n: np.asarray(cache)[b, ..., :n]
     for layer, (k, v) in enumerate(kv):
-      for name, cached, fresh in (("k", state.kv[layer][0], k), ("v", state.kv[layer][1], v)):
-        np.testing.assert_allclose(cached[slot, :pos], fresh[0, :pos], atol=ATOL, rtol=ATOL,
-                                   err_msg=f"target {name} layer {layer} rows 0..{pos - 1}")
-    for name, cached, fresh in (("k", state.mtp_kv[0], mtp_kv[0]),
-                                ("v", state.mtp_kv[1], mtp_kv[1])):
-      np.testing.assert_allclose(cached[slot, :pos + 1], fresh[0, :pos + 1], atol=ATOL,
-                                 rtol=ATOL, err_msg=f"MTP {name} rows 0..{pos}")
+      for name, rows, cached, fresh in (("k", k_rows, state.kv[layer][0], k),
+                                        ("v", v_rows, state.kv[layer][1], v)):
+        np.testing.assert_allclose(
+            rows(cached, slot, pos), rows(fresh, 0, pos), atol=ATOL, rtol=ATOL,
+            err_msg=f"target {name} layer {layer} rows 0..{pos - 1}")
+    for name, rows, cached, fresh in (("k", k_rows, state.mtp_kv[0], mtp_kv[0]),
+                                      ("v", v_rows, state.mtp_kv[1], mtp_kv[1])):
+      np.testing.assert_allclose(rows(cached, slot, pos + 1), rows(fresh, 0, pos + 1),
+                                 atol=ATOL, rtol=ATOL, err_msg=f"MTP {name} rows 0..{pos}")
     if check_draft:
       self.assertEqual(int(state.draft[slot]), int(np.argmax(mtp_logits[0, pos])))
 

@@ -64,10 +64,11 @@ class DeepseekConfigTest(absltest.TestCase):
     self.assertEqual(cfg.gating, "softmax")
     self.assertIn("expert_gating_func", logs.output[0])
 
-  def test_yarn_scaling_is_refused_by_name(self):
-    meta = self.meta | {"deepseek2.rope.scaling.type": "yarn",
+  def test_unsupported_rope_scaling_is_refused_by_name(self):
+    # YaRN and linear scaling are implemented (yarn_test.py); other types are refused.
+    meta = self.meta | {"deepseek2.rope.scaling.type": "longrope",
                         "deepseek2.rope.scaling.factor": 40.0}
-    with self.assertRaisesRegex(errors.UnsupportedArchitectureError, "rope.scaling"):
+    with self.assertRaisesRegex(errors.UnsupportedArchitectureError, "rope.scaling.type"):
       config_lib.config_from_gguf(meta, [])
 
 

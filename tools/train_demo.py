@@ -98,6 +98,7 @@ def model_config(spec: tiny_glm.TinyGlmSpec) -> ModelConfig:
 def init_params(cfg: ModelConfig, layout: StageLayout, seed: int):
   """Normal(0, 0.02) matrices, unit norms, zero biases; returns (graphdef, state)."""
   graphdef, abstract = loading.abstract_model(cfg, layout, "float32")
+  transposed = loading.linear_weight_paths(abstract)
   rng = np.random.default_rng(seed)
   leaves = {}
   for path, leaf in sorted(loading.flat_paths(abstract).items(), key=lambda kv: str(kv[0])):
@@ -106,6 +107,8 @@ def init_params(cfg: ModelConfig, layout: StageLayout, seed: int):
       value = np.ones(leaf.shape, np.float32)
     elif path[-1] in ("bq", "bk", "bv", "router_bias"):
       value = np.zeros(leaf.shape, np.float32)
+    elif path in transposed:   # drawn in GGUF order, so a seed gives the same model as before
+      value = rng.normal(0.0, 0.02, leaf.shape[::-1]).astype(np.float32).T
     else:
       value = rng.normal(0.0, 0.02, leaf.shape).astype(np.float32)
     leaves[path] = jnp.asarray(value)
@@ -140,10 +143,12 @@ def export(graphdef, state, spec, cfg, tokenizer_meta, out_dir: pathlib.Path, ca
   """Float32 params -> GGUF (spec.tensor_type) -> layer package, written atomically."""
   layout = StageLayout.whole(cfg, mtp=True)
   leaves = loading.flat_paths(state)
+  transposed = loading.linear_weight_paths(state)
   tensors = {}
   for name in tiny_glm.build_tiny_glm_tensors(spec):
-    targets = names.targets_for(name, cfg, layout)
-    tensors[name] = np.asarray(leaves[targets[0].path], np.float32)
+    path = names.targets_for(name, cfg, layout)[0].path
+    array = np.asarray(leaves[path], np.float32)
+    tensors[name] = np.ascontiguousarray(array.T) if path in transposed else array
   work = pathlib.Path(tempfile.mkdtemp(prefix="train-demo-"))
   try:
     gguf_path = work / "glm-demo.gguf"

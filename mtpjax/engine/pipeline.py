@@ -4,7 +4,8 @@ The package's stage plan (`package/planning.py`) splits trunk layers + NextN blo
 stages; stage 0 embeds, the last stage holds the final norm, the head and the NextN block, so
 it samples, verifies and drafts with the Engine's own head-side functions (`decode.py`), and a
 last stage that holds only the NextN block runs just those. Each stage is jitted on its own
-sub-mesh; activations hop stage to stage (`pipeline_hops.py`). Slots are split into
+sub-mesh; activations hop stage to stage (`pipeline_hops.py`), with the glm-dsa row selection
+when the next stage starts on a layer that reuses it (`StageLayout.takes_selection`). Slots are split into
 microbatches, and JAX's asynchronous dispatch lets stage s work on one group while s + 1 works
 on the previous one.
 """
@@ -112,6 +113,15 @@ def _ints(*shape) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, jnp.int32)
 
 
+def selection_like(layout: StageLayout, cfg: ModelConfig, batch: int, tokens: int,
+                   cache_len: int) -> jax.ShapeDtypeStruct | None:
+  """The glm-dsa row selection [B, T, cache_len] that hops into a stage with `layout` beside
+  its activations (`StageLayout.takes_selection`), or None: the hop then carries none."""
+  if not layout.takes_selection(cfg, cache_len):
+    return None
+  return jax.ShapeDtypeStruct((batch, tokens, cache_len), jnp.bool_)
+
+
 class PipelinedEngine:
   """The Engine's prefill/insert/step contract over pipeline stages (SlotScheduler runs it)."""
 
@@ -143,6 +153,14 @@ class PipelinedEngine:
     """Shapes of one hop: the activation [B, T, D] and its positions [B, T]."""
     return (jax.ShapeDtypeStruct((batch, tokens, self.cfg.hidden), self.dtype),
             _ints(batch, tokens))
+
+  def _selection_like(self, s: int, batch: int, tokens: int):
+    return selection_like(self.layouts[s], self.cfg, batch, tokens, self.engine_cfg.cache_len)
+
+  def _hands_selection(self, s: int) -> bool:
+    """Whether stage `s` passes its last row selection on (the next stage reuses it)."""
+    return s < self.last and self.layouts[s + 1].takes_selection(self.cfg,
+                                                                 self.engine_cfg.cache_len)
 
   def _stage_kv(self, s: int, batch: int) -> list:
     layout = self.layouts[s]
@@ -178,15 +196,16 @@ class PipelinedEngine:
   # --- prefill ------------------------------------------------------------------------------
 
   def _prefill_fn(self, s: int, params, inp, extra):
-    """Stage `s` over a whole prompt; the last stage also samples and drafts (`extra`)."""
+    """Stage `s` over a whole prompt (tokens, or the hop's (x, selection)); the last stage
+    also samples and drafts (`extra`)."""
     model = nnx.merge(self.graphdefs[s], params)
     layout = self.layouts[s]
-    positions = jnp.arange(inp.shape[1], dtype=jnp.int32)[None]
-    x = model.embed_tokens(inp) if layout.embeddings else inp
+    x, selection = (model.embed_tokens(inp), None) if layout.embeddings else inp
+    positions = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
     kv = init_kv(self.cfg, len(model.layers), 1, self.engine_cfg.cache_len, self.dtype)
-    x, kv = model.run_layers(x, positions, kv)
+    x, kv, selection = model.run_layers(x, positions, kv, selection)
     if not layout.output:
-      return x, kv
+      return (x, selection if self._hands_selection(s) else None), kv
     tokens, length, sampler = extra
     return decode.prefill_commit(model, self.engine_cfg, tokens, model.final_norm(x), length,
                                  sampler), kv
@@ -195,10 +214,11 @@ class PipelinedEngine:
     tokens, length = self.engine_cfg.padded_prompt(prompt)
     sampler_arrays = decode._sampler_arrays(sampler.validate())
     kv = [None] * len(self.layouts)
-    x, control = tokens, None
+    x, control, t = tokens, None, tokens.shape[1]
     for s in range(len(self.layouts)):
       if s > 0:
-        x = self.hops.move(x, s - 1, s, like=self._width(1, tokens.shape[1])[0])
+        x = self.hops.move(x, s - 1, s,
+                           like=(self._width(1, t)[0], self._selection_like(s, 1, t)))
       if not self.hops.local(s):
         continue
       here = self.hops.shardings[s]
@@ -232,12 +252,12 @@ class PipelinedEngine:
     mtp = self.engine_cfg.native_mtp
     if layout.embeddings:
       tokens, positions = decode.step_inputs(*inp, native_mtp=mtp)
-      x = model.embed_tokens(tokens)
+      x, selection = model.embed_tokens(tokens), None
     else:
-      x, positions = inp
-    x, kv = model.run_layers(x, positions, kv)
+      x, positions, selection = inp
+    x, kv, selection = model.run_layers(x, positions, kv, selection)
     if not layout.output:
-      return (x, positions), kv
+      return (x, positions, selection if self._hands_selection(s) else None), kv
     hidden = model.final_norm(x)
     if mtp:
       verified = decode.verify_tokens(model, control, hidden)
@@ -263,7 +283,8 @@ class PipelinedEngine:
       out = self.hops.move(out, self.last, 0, like=(_ints(b),) * 3)
       for s in range(len(self.layouts)):
         if s > 0:
-          out = self.hops.move(out, s - 1, s, like=self._width(b, width))
+          out = self.hops.move(out, s - 1, s, like=self._width(b, width) + (
+              self._selection_like(s, b, width),))
         if not self.hops.local(s):
           continue
         if s < self.last:

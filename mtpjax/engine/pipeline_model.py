@@ -18,7 +18,7 @@ from flax import nnx
 from mtpjax import api, errors, loading, sharding, speculative
 from mtpjax.engine.decode import EngineConfig
 from mtpjax.engine.pipeline import PipelinedEngine, PipelinePlan, make_hops, pipeline_mesh, \
-    plan_pipeline
+    plan_pipeline, selection_like
 from mtpjax.models.glm4_moe import init_kv, previous_hidden
 
 
@@ -52,28 +52,33 @@ class PipelinedModel(api.Model):
 
   @functools.cached_property
   def _jit_stage(self):
-    def run(graphdef, state, inp):
+    def run(graphdef, hands_selection, state, inp):
+      """inp: tokens on stage 0, else the hop's (x, selection); the cache is the prompt."""
       model = nnx.merge(graphdef, state)
-      positions = jnp.arange(inp.shape[1], dtype=jnp.int32)[None]
-      x = model.embed_tokens(inp) if model.layout.embeddings else inp
-      kv = init_kv(self.config, len(model.layers), 1, inp.shape[1], model.dtype)
-      x, _ = model.run_layers(x, positions, kv)
+      x, selection = (model.embed_tokens(inp), None) if model.layout.embeddings else inp
+      positions = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
+      kv = init_kv(self.config, len(model.layers), 1, x.shape[1], model.dtype)
+      x, _, selection = model.run_layers(x, positions, kv, selection)
       if not model.layout.output:
-        return x
+        return x, selection if hands_selection else None
       hidden = model.final_norm(x)
       return hidden, model.lm_logits(hidden)
-    return jax.jit(run, static_argnums=0)
+    return jax.jit(run, static_argnums=(0, 1))
 
   def _run_stages(self, tokens: np.ndarray, weights: list):
     """(hidden, logits) on the last stage (None on other processes)."""
     dtype = loading.resolve_dtype(self.dtype)
-    like = jax.ShapeDtypeStruct(tokens.shape + (self.config.hidden,), dtype)
+    b, t = tokens.shape
+    like = jax.ShapeDtypeStruct((b, t, self.config.hidden), dtype)
+    selections = [selection_like(layout, self.config, b, t, t)
+                  for layout in self.plan.layouts(self.config, with_mtp=False)] + [None]
     x = tokens
     for s, entry in enumerate(weights):
       if s > 0:
-        x = self.hops.move(x, s - 1, s, like=like)
+        x = self.hops.move(x, s - 1, s, like=(like, selections[s]))
       if entry is not None:
-        x = self._jit_stage(entry[0], entry[1], jax.device_put(x, self.hops.shardings[s]))
+        x = self._jit_stage(entry[0], selections[s + 1] is not None, entry[1],
+                            jax.device_put(x, self.hops.shardings[s]))
     return x if weights[self.last] is not None else None
 
   def _trunk(self, token_ids, weights=None):

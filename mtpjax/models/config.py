@@ -60,6 +60,12 @@ class ModelConfig:
   indexer_dim: int = 0
   indexer_topk: int = 0
   indexer_full: tuple[bool, ...] = ()   # per trunk layer: runs its own indexer (else reuses)
+  # RoPE scaling of the MLA archs, from `rope.scaling.*` as llama.cpp reads them (yarn.py)
+  rope_scaling: str = "none"    # "none" | "linear" | "yarn"
+  rope_scaling_factor: float = 1.0    # context extension; positions interpolate by 1/factor
+  rope_orig_context: int = 0          # YaRN original context length (0: context_length)
+  yarn_log_mul: float = 0.0           # HF mscale_all_dim (the GGUF value / 0.1; 0: unset)
+  rope_attn_factor: float = 1.0       # rope.scaling.attn_factor
 
   @property
   def is_mla(self) -> bool:
@@ -74,6 +80,11 @@ class ModelConfig:
     if not self.has_indexer or layer >= self.n_layers:
       return False
     return not self.indexer_full or self.indexer_full[layer]
+
+  def sparse_at(self, cache_len: int) -> bool:
+    """Whether the indexer narrows attention over a cache of `cache_len` rows; with no more
+    rows than top_k it keeps every visible row, so attention is exactly dense (MODEL.md §9)."""
+    return self.has_indexer and cache_len > self.indexer_topk
 
   @property
   def mtp_layer(self) -> int:
@@ -204,13 +215,9 @@ def config_from_gguf(metadata: Mapping[str, Any], tensor_names: Iterable[str], *
 def _mla_fields(metadata: Mapping[str, Any], arch: str, get, source: str) -> dict[str, Any]:
   """MLA and indexer fields: the converter stores MLA as MQA over the latent (MODEL.md §8),
   so the per-head sizes come from the `*_mla` keys, not from key_length/value_length."""
-  scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
-  if scaling not in ("none", None) or float(get("rope.scaling.factor", 1.0)) not in (0.0, 1.0):
-    raise errors.UnsupportedArchitectureError(
-        f"RoPE scaling {scaling!r} is not implemented for MLA models", path=source,
-        field=f"{arch}.rope.scaling.type", remedy="use a GGUF without rope.scaling (YaRN) keys")
   kv_lora = int(get("attention.kv_lora_rank"))
   fields = dict(
+      **_rope_scaling_fields(metadata, arch, get, source),
       head_dim=int(get("attention.key_length_mla")),
       value_dim=int(get("attention.value_length_mla")),
       q_lora_rank=int(get("attention.q_lora_rank", 0)),
@@ -230,6 +237,50 @@ def _mla_fields(metadata: Mapping[str, Any], arch: str, get, source: str) -> dic
         indexer_full=_indexer_types(types, int(get("block_count")) - int(get(
             "nextn_predict_layers", 0)), int(get("context_length", 4096))))
   return fields
+
+
+_ROPE_SCALING_TYPES = ("none", "linear", "yarn")
+# Keys llama.cpp's deepseek2/glm-dsa loaders never read (it uses its defaults), so neither do we.
+_IGNORED_YARN_KEYS = ("yarn_beta_fast", "yarn_beta_slow", "yarn_ext_factor", "yarn_attn_factor")
+
+
+def _rope_scaling_fields(metadata: Mapping[str, Any], arch: str, get,
+                         source: str) -> dict[str, Any]:
+  """`rope.scaling.*` as llama.cpp's loader resolves them: the type defaults to "linear", a
+  factor of 0 or none means 1, type "none" ignores the factor. The converter stores
+  `yarn_log_multiplier` as 0.1 * HF mscale_all_dim and llama.cpp divides it back for
+  deepseek2 only; its glm-dsa loader never reads the key."""
+  kind = str(get("rope.scaling.type", "linear"))
+  if kind not in _ROPE_SCALING_TYPES:
+    raise errors.UnsupportedArchitectureError(
+        f"RoPE scaling type {kind!r} is not implemented (supported: "
+        f"{', '.join(_ROPE_SCALING_TYPES)})", path=source, field=f"{arch}.rope.scaling.type",
+        remedy="use a GGUF converted from a model with YaRN, linear or no RoPE scaling")
+  factor = float(get("rope.scaling.factor", get("rope.scale_linear", 0.0)))
+  if factor < 0.0:
+    raise errors.ConversionError(
+        f"negative RoPE scaling factor {factor}", path=source, field=f"{arch}.rope.scaling.factor",
+        remedy="re-convert the model with a current llama.cpp convert_hf_to_gguf.py")
+  factor = 1.0 if factor == 0.0 or kind == "none" else factor
+  if kind == "linear" and factor == 1.0:
+    kind = "none"                  # identical math, and the default of every unscaled file
+  log_mul = float(get("rope.scaling.yarn_log_multiplier", 0.0))
+  if arch != "deepseek2" and log_mul != 0.0:
+    _log.warning("%s: %s.rope.scaling.yarn_log_multiplier is ignored, as llama.cpp's %s loader "
+                 "does", source, arch, arch)
+    log_mul = 0.0
+  for key in _IGNORED_YARN_KEYS:
+    if f"{arch}.rope.scaling.{key}" in metadata:
+      _log.warning("%s: %s.rope.scaling.%s is ignored, as llama.cpp's %s loader does",
+                   source, arch, key, arch)
+  return dict(
+      rope_scaling=kind,
+      rope_scaling_factor=factor,
+      rope_orig_context=int(get("rope.scaling.original_context_length",
+                                get("context_length", 4096))) if kind != "none" else 0,
+      yarn_log_mul=log_mul / 0.1,
+      rope_attn_factor=float(get("rope.scaling.attn_factor", 1.0)),
+  )
 
 
 def _indexer_types(types, n_layers: int, context_length: int) -> tuple[bool, ...]:

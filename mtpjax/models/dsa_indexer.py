@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtpjax.models import yarn
 from mtpjax.models.config import ModelConfig
-from mtpjax.models.layers import _param, linear, rope_interleaved, write_rows
+from mtpjax.models.layers import _param, linear, linear_param, write_rows
 
 K_NORM_EPS = 1e-6   # HF's indexer LayerNorm eps; GGUF stores no key for it
 
@@ -51,8 +52,9 @@ def select_top_rows(scores: jax.Array, positions: jax.Array, top_k: int) -> jax.
 
 
 def _rope_front(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
-  """Adjacent-pair RoPE on the leading qk_rope dims of each indexer head ([rope, rest])."""
-  rot = rope_interleaved(x[..., :cfg.rope_dims], positions, cfg.rope_theta)
+  """Adjacent-pair RoPE on the leading qk_rope dims of each indexer head ([rope, rest]), with
+  the same RoPE scaling as the attention (llama.cpp passes the indexer the same YaRN params)."""
+  rot = yarn.scaled_rope(x[..., :cfg.rope_dims], positions, cfg)
   return jnp.concatenate([rot, x[..., cfg.rope_dims:]], axis=-1)
 
 
@@ -62,11 +64,11 @@ class Indexer(nnx.Module):
   def __init__(self, cfg: ModelConfig, dtype):
     self.cfg = cfg
     hi, di = cfg.indexer_heads, cfg.indexer_dim
-    self.wq_b = _param((hi * di, cfg.q_lora_rank), dtype)
-    self.wk = _param((di, cfg.hidden), dtype)
+    self.wq_b = linear_param(cfg.q_lora_rank, hi * di, dtype)
+    self.wk = linear_param(cfg.hidden, di, dtype)
     self.k_norm_weight = _param((di,), jnp.float32)
     self.k_norm_bias = _param((di,), jnp.float32)
-    self.proj = _param((hi, cfg.hidden), dtype)
+    self.proj = linear_param(cfg.hidden, hi, dtype)
 
   def __call__(self, x, q_resid, positions, key_cache):
     """x: attention input [B, T, D]; q_resid: normalised q latent [B, T, q_lora].
@@ -74,7 +76,7 @@ class Indexer(nnx.Module):
     Returns (selection [B, T, S] or None for dense, updated key cache [B, S, 1, d_i]).
     """
     cfg = self.cfg
-    if key_cache.shape[1] <= cfg.indexer_topk:
+    if not cfg.sparse_at(key_cache.shape[1]):
       return None, key_cache     # every visible row is kept: exactly dense MLA
     b, t, _ = x.shape
     q = linear(q_resid, self.wq_b[...]).reshape(b, t, cfg.indexer_heads, cfg.indexer_dim)

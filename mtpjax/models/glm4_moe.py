@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtpjax.models.config import ModelConfig
-from mtpjax.models.layers import DecoderBlock, RMSNorm, _param, linear
+from mtpjax.models.layers import DecoderBlock, RMSNorm, _param, linear, linear_param
 from mtpjax.models.mla import mla_cache_shapes
 
 
@@ -36,6 +36,18 @@ class StageLayout:
     return (self.embeddings or (self.output and cfg.tied_head)
             or (self.mtp and not cfg.mtp_embed))
 
+  def takes_selection(self, cfg: ModelConfig, cache_len: int) -> bool:
+    """Whether the first trunk layer reuses a glm-dsa row selection made on an earlier stage.
+
+    Such a layer has no indexer of its own (`ModelConfig.indexer_full`) and attends to the rows
+    the last indexer before it chose, so that selection must hop in with the activations; it
+    exists only when an indexer runs before this stage and the cache exceeds top_k.
+    """
+    start = self.layer_start
+    return (0 < start < min(self.layer_end, cfg.n_layers) and cfg.sparse_at(cache_len)
+            and not cfg.layer_has_indexer(start)
+            and any(cfg.layer_has_indexer(i) for i in range(start)))
+
 
 class MtpHead(nnx.Module):
   """The NextN block: [enorm(E[x_p]); hnorm(h_{p-1})] -> eh_proj -> decoder block -> head norm."""
@@ -45,11 +57,11 @@ class MtpHead(nnx.Module):
     d = cfg.hidden
     self.enorm = RMSNorm(d, cfg.eps, dtype)
     self.hnorm = RMSNorm(d, cfg.eps, dtype)
-    self.eh_proj = _param((d, 2 * d), dtype)
+    self.eh_proj = linear_param(2 * d, d, dtype)
     self.block = DecoderBlock(cfg, cfg.mtp_layer, dtype)
     self.head_norm = RMSNorm(d, cfg.eps, dtype) if cfg.mtp_head_norm else None
     self.embed = _param((cfg.vocab_size, d), dtype) if cfg.mtp_embed else None
-    self.head = _param((cfg.vocab_size, d), dtype) if cfg.mtp_head else None
+    self.head = linear_param(d, cfg.vocab_size, dtype) if cfg.mtp_head else None
 
 
 class GlmModel(nnx.Module):
@@ -64,7 +76,7 @@ class GlmModel(nnx.Module):
     self.layers = nnx.List([DecoderBlock(cfg, i, dtype)
                             for i in range(layout.layer_start, layout.layer_end)])
     self.output_norm = RMSNorm(d, cfg.eps, dtype) if layout.output else None
-    self.head = _param((v, d), dtype) if layout.output and not cfg.tied_head else None
+    self.head = linear_param(d, v, dtype) if layout.output and not cfg.tied_head else None
     self.mtp = MtpHead(cfg, dtype) if layout.mtp else None
 
   # --- trunk -----------------------------------------------------------------------------------
@@ -72,24 +84,32 @@ class GlmModel(nnx.Module):
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
     return jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
 
-  def run_layers(self, x: jax.Array, positions: jax.Array, kv: list) -> tuple[jax.Array, list]:
-    """Run this instance's trunk layers; `kv` holds one (k, v) cache pair per owned layer."""
-    new_kv, selection = [], None
+  def run_layers(self, x: jax.Array, positions: jax.Array, kv: list,
+                 selection: jax.Array | None = None) -> tuple[jax.Array, list, jax.Array | None]:
+    """Run this instance's trunk layers; `kv` holds one (k, v) cache pair per owned layer.
+
+    `selection` is the glm-dsa row mask [B, T, S] in force before layer_start (None: dense),
+    given to a stage that `takes_selection`; the mask in force after the last layer comes back
+    so the next stage can take it, and the pipelined model equals the single-stage one.
+    """
+    new_kv = []
     for layer, cache in zip(self.layers, kv):
       x, cache, selection = layer(x, positions, cache, selection)
       new_kv.append(cache)
-    return x, new_kv
+    return x, new_kv, selection
 
   def final_norm(self, x: jax.Array) -> jax.Array:
     return self.output_norm(x)
 
   def lm_logits(self, hidden: jax.Array) -> jax.Array:
-    head = self.head if self.head is not None else self.embed
-    return linear(hidden, head[...]).astype(jnp.float32)
+    if self.head is None:   # tied: the embedding table [V, D] is the head
+      return jnp.einsum("...d,vd->...v", hidden, self.embed[...].astype(hidden.dtype)
+                        ).astype(jnp.float32)
+    return linear(hidden, self.head[...]).astype(jnp.float32)
 
   def forward(self, tokens, positions, kv):
     """Whole-model pass (one stage owning everything): post-norm hidden and the new cache."""
-    x, kv = self.run_layers(self.embed_tokens(tokens), positions, kv)
+    x, kv, _ = self.run_layers(self.embed_tokens(tokens), positions, kv)
     return self.final_norm(x), kv
 
   # --- MTP head ----------------------------------------------------------------------------------
@@ -125,14 +145,15 @@ def previous_hidden(hidden: jax.Array) -> jax.Array:
 
 
 def kv_cache_shapes(cfg: ModelConfig, n_layers: int, batch: int, max_len: int) -> list:
-  """Shapes of the per-layer (k, v) caches: [B, S, Hkv, head_dim] and [B, S, Hkv, value_dim].
+  """Shapes of the per-layer (k, v) caches: [B, Hkv, S, head_dim] and [B, Hkv, value_dim, S]
+  (see `layers.causal_attention` for why).
 
   MLA archs cache [B, S, 1, kv_lora + qk_rope] plus the indexer keys (zero-size without one).
   """
   if cfg.is_mla:
     return [mla_cache_shapes(cfg, batch, max_len) for _ in range(n_layers)]
-  return [((batch, max_len, cfg.n_kv_heads, cfg.head_dim),
-           (batch, max_len, cfg.n_kv_heads, cfg.value_dim)) for _ in range(n_layers)]
+  return [((batch, cfg.n_kv_heads, max_len, cfg.head_dim),
+           (batch, cfg.n_kv_heads, cfg.value_dim, max_len)) for _ in range(n_layers)]
 
 
 def init_kv(cfg: ModelConfig, n_layers: int, batch: int, max_len: int, dtype) -> list:

@@ -1,8 +1,11 @@
 """Building blocks of the GLM-4.x MoE forward pass (../shared/design/MODEL.md §5-§6).
 
-Weights keep the GGUF/PyTorch `[out, in]` layout (experts `[E, out, in]`), so dequantized arrays
-load without a transpose; every projection contracts with `einsum('...i,oi->...o')`.
-Norms, RoPE, router and softmax run in float32 whatever the weight dtype.
+Projection matrices are `LinearWeight`s stored `[in, out]`, the transpose of GGUF's `[out, in]`
+(the loader transposes them): `x @ W` over row-major `[in, out]` keeps a verify pass of 2 rows
+(and any small batch) about as cheap as 1 row on XLA:CPU, where `[out, in]` takes a slower
+GEMM path. Experts, the router and embeddings keep the GGUF layout (`[E, out, in]`, `[E, D]`,
+`[V, D]`): they are gathered or contracted whole. Norms, RoPE, router and softmax run in
+float32 whatever the weight dtype.
 """
 
 from __future__ import annotations
@@ -14,12 +17,21 @@ from flax import nnx
 from mtpjax.models.config import ModelConfig
 
 
+class LinearWeight(nnx.Param):
+  """A projection matrix stored `[in, out]`: the transpose of its GGUF tensor."""
+
+
 def _param(shape, dtype) -> nnx.Param:
   return nnx.Param(jnp.zeros(shape, dtype))
 
 
+def linear_param(in_dim: int, out_dim: int, dtype) -> LinearWeight:
+  return LinearWeight(jnp.zeros((in_dim, out_dim), dtype))
+
+
 def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
-  y = jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype))
+  """`x @ weight` for a `LinearWeight` [in, out]."""
+  y = jnp.einsum("...i,io->...o", x, weight.astype(x.dtype))
   return y if bias is None else y + bias.astype(y.dtype)
 
 
@@ -56,26 +68,31 @@ def rope_neox(x: jax.Array, positions: jax.Array, rope_dims: int, theta: float) 
   return rotated.astype(x.dtype)
 
 
-def rope_interleaved(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_interleaved(x: jax.Array, positions: jax.Array, theta: float,
+                     inv_freq: jax.typing.ArrayLike | None = None,
+                     magnitude: float = 1.0) -> jax.Array:
   """RoPE over adjacent pairs (2j, 2j+1) of the whole last axis (llama.cpp NORM, GPT-J).
 
-  x: [B, T, heads, R]; positions: [B, T]. Pair j turns by pos * theta^(-2j/R).
+  x: [B, T, heads, R]; positions: [B, T]. Pair j turns by pos * theta^(-2j/R), or by
+  pos * inv_freq[j] with cos/sin times `magnitude` when RoPE scaling supplies them (yarn.py).
   """
   rope_dims = x.shape[-1]
-  inv_freq = theta ** (-jnp.arange(rope_dims // 2, dtype=jnp.float32) * 2.0 / rope_dims)
-  angle = positions.astype(jnp.float32)[..., None] * inv_freq
-  cos = jnp.cos(angle)[:, :, None, :]
-  sin = jnp.sin(angle)[:, :, None, :]
+  if inv_freq is None:
+    inv_freq = theta ** (-jnp.arange(rope_dims // 2, dtype=jnp.float32) * 2.0 / rope_dims)
+  angle = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+  cos = jnp.cos(angle)[:, :, None, :] * magnitude
+  sin = jnp.sin(angle)[:, :, None, :] * magnitude
   x32 = x.astype(jnp.float32)
   even, odd = x32[..., 0::2], x32[..., 1::2]
   rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
   return rotated.reshape(x.shape).astype(x.dtype)
 
 
-def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
-  """Write `rows` [B, T, ...] into `cache` [B, S, ...] at per-slot row `start` [B]."""
+def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array,
+               seq_axis: int = 1) -> jax.Array:
+  """Write `rows` into `cache` at per-slot row `start` [B] along `seq_axis` (both [B, ...])."""
   def one(c, r, s):
-    return jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), s, axis=0)
+    return jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), s, axis=seq_axis - 1)
   return jax.vmap(one)(cache, rows, start)
 
 
@@ -84,19 +101,22 @@ def causal_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   """Attend from queries at absolute `positions` to cache rows j <= position.
 
   Rows past a slot's position are stale and masked, which is the whole rollback mechanism of
-  speculative decoding. q: [B, T, H, hd]; caches: [B, S, Hkv, d]; returns [B, T, H, vd].
+  speculative decoding. q: [B, T, H, hd]; k_cache: [B, Hkv, S, hd]; v_cache: [B, Hkv, vd, S].
+  With these layouts XLA:CPU reads both caches in place; with any other (e.g. [B, S, Hkv, d]
+  or values [B, Hkv, S, vd]) it transposes, i.e. copies, every layer's whole cache at every
+  step. Returns [B, T, H, vd].
   """
   b, t, h, hd = q.shape
-  hkv = k_cache.shape[2]
+  hkv = k_cache.shape[1]
   q = q.reshape(b, t, hkv, h // hkv, hd)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q.astype(jnp.float32),
+  scores = jnp.einsum("btkgd,bksd->bkgts", q.astype(jnp.float32),
                       k_cache.astype(jnp.float32)) / jnp.sqrt(jnp.float32(hd))
-  key_pos = jnp.arange(k_cache.shape[1])
+  key_pos = jnp.arange(k_cache.shape[2])
   visible = key_pos[None, None, None, None, :] <= positions[:, None, None, :, None]
   scores = jnp.where(visible, scores, -jnp.inf)
   probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache.astype(jnp.float32))
-  return out.reshape(b, t, h, v_cache.shape[-1]).astype(q.dtype)
+  out = jnp.einsum("bkgts,bkds->btkgd", probs, v_cache.astype(jnp.float32))
+  return out.reshape(b, t, h, v_cache.shape[2]).astype(q.dtype)
 
 
 class Attention(nnx.Module):
@@ -105,10 +125,10 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, dtype):
     self.cfg = cfg
     d, h, hkv, hd, vd = cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.value_dim
-    self.wq = _param((h * hd, d), dtype)
-    self.wk = _param((hkv * hd, d), dtype)
-    self.wv = _param((hkv * vd, d), dtype)
-    self.wo = _param((d, h * vd), dtype)
+    self.wq = linear_param(d, h * hd, dtype)
+    self.wk = linear_param(d, hkv * hd, dtype)
+    self.wv = linear_param(d, hkv * vd, dtype)
+    self.wo = linear_param(h * vd, d, dtype)
     if cfg.attn_bias:
       self.bq = _param((h * hd,), jnp.float32)
       self.bk = _param((hkv * hd,), jnp.float32)
@@ -134,8 +154,8 @@ class Attention(nnx.Module):
     k = rope_neox(k, positions, cfg.rope_dims, cfg.rope_theta)
     k_cache, v_cache = cache
     start = positions[:, 0]
-    k_cache = write_rows(k_cache, k, start)
-    v_cache = write_rows(v_cache, v, start)
+    k_cache = write_rows(k_cache, k.transpose(0, 2, 1, 3), start, seq_axis=2)
+    v_cache = write_rows(v_cache, v.transpose(0, 2, 3, 1), start, seq_axis=3)
     out = causal_attention(q, k_cache, v_cache, positions)
     return linear(out.reshape(b, t, -1), self.wo[...]), (k_cache, v_cache)
 
@@ -143,9 +163,9 @@ class Attention(nnx.Module):
 class DenseMLP(nnx.Module):
 
   def __init__(self, hidden: int, ffn: int, dtype):
-    self.gate = _param((ffn, hidden), dtype)
-    self.up = _param((ffn, hidden), dtype)
-    self.down = _param((hidden, ffn), dtype)
+    self.gate = linear_param(hidden, ffn, dtype)
+    self.up = linear_param(hidden, ffn, dtype)
+    self.down = linear_param(ffn, hidden, dtype)
 
   def __call__(self, x):
     return linear(jax.nn.silu(linear(x, self.gate[...])) * linear(x, self.up[...]), self.down[...])

@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtpjax.models import yarn
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.dsa_indexer import Indexer
-from mtpjax.models.layers import RMSNorm, _param, linear, rope_interleaved, write_rows
+from mtpjax.models.layers import RMSNorm, _param, linear, linear_param, write_rows
 
 
 def latent_attention(q_lat: jax.Array, q_pe: jax.Array, latent_cache: jax.Array,
@@ -54,18 +55,18 @@ class MlaAttention(nnx.Module):
     d, h = cfg.hidden, cfg.n_heads
     rope, nope = cfg.rope_dims, cfg.head_dim - cfg.rope_dims
     if cfg.q_lora_rank > 0:
-      self.wq_a = _param((cfg.q_lora_rank, d), dtype)
+      self.wq_a = linear_param(d, cfg.q_lora_rank, dtype)
       self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.eps, dtype)
-      self.wq_b = _param((h * cfg.head_dim, cfg.q_lora_rank), dtype)
+      self.wq_b = linear_param(cfg.q_lora_rank, h * cfg.head_dim, dtype)
       self.wq = None
     else:
       self.wq_a = self.q_a_norm = self.wq_b = None
-      self.wq = _param((h * cfg.head_dim, d), dtype)
-    self.wkv_a = _param((cfg.kv_lora_rank + rope, d), dtype)
+      self.wq = linear_param(d, h * cfg.head_dim, dtype)
+    self.wkv_a = linear_param(d, cfg.kv_lora_rank + rope, dtype)
     self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, cfg.eps, dtype)
     self.wk_b = _param((h, cfg.kv_lora_rank, nope), dtype)
     self.wv_b = _param((h, cfg.value_dim, cfg.kv_lora_rank), dtype)
-    self.wo = _param((d, h * cfg.value_dim), dtype)
+    self.wo = linear_param(h * cfg.value_dim, d, dtype)
     self.indexer = Indexer(cfg, dtype) if cfg.layer_has_indexer(layer) else None
     # A glm-dsa trunk layer without its own indexer reuses the previous layer's selection.
     self.reuses_selection = cfg.has_indexer and layer < cfg.n_layers and self.indexer is None
@@ -84,10 +85,10 @@ class MlaAttention(nnx.Module):
     else:
       q_resid, q = None, linear(x, self.wq[...])
     q = q.reshape(b, t, cfg.n_heads, cfg.head_dim)
-    q_nope, q_pe = q[..., :nope], rope_interleaved(q[..., nope:], positions, cfg.rope_theta)
+    q_nope, q_pe = q[..., :nope], yarn.scaled_rope(q[..., nope:], positions, cfg)
     kv = linear(x, self.wkv_a[...])
     c = self.kv_a_norm(kv[..., :cfg.kv_lora_rank])
-    k_pe = rope_interleaved(kv[..., None, cfg.kv_lora_rank:], positions, cfg.rope_theta)[:, :, 0]
+    k_pe = yarn.scaled_rope(kv[..., None, cfg.kv_lora_rank:], positions, cfg)[:, :, 0]
     latent_cache, index_cache = cache
     start = positions[:, 0]
     latent_cache = write_rows(latent_cache, jnp.concatenate([c, k_pe], -1)[:, :, None], start)
@@ -97,7 +98,7 @@ class MlaAttention(nnx.Module):
       selection = None
     q_lat = jnp.einsum("bthn,hcn->bthc", q_nope.astype(jnp.float32),
                        self.wk_b[...].astype(jnp.float32))
-    scale = 1.0 / float(cfg.head_dim) ** 0.5
+    scale = yarn.score_scale(cfg)      # 1/sqrt(head_dim) times the YaRN mscale^2
     out_lat = latent_attention(q_lat, q_pe, latent_cache, positions, scale, selection)
     out = jnp.einsum("bthc,hvc->bthv", out_lat, self.wv_b[...].astype(jnp.float32))
     out = out.reshape(b, t, cfg.n_heads * cfg.value_dim).astype(x.dtype)

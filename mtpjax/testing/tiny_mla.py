@@ -3,7 +3,8 @@
 The fixtures' index_topk (2048) exceeds any test context, so they never exercise the sparse
 selection. This builder writes a small model whose `index_topk` is a few rows, with llama.cpp's
 tensor names and numpy shapes (MODEL.md §8-§9), through the real gguf-py writer. It has no
-experts and no NextN block, so a plain-numpy reference of the whole forward stays short.
+experts, so a plain-numpy reference of the whole forward stays short; `mtp=True` adds a dense
+NextN block (no indexer, as llama.cpp runs it) for native-MTP decoding tests.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class TinyDsaSpec:
   indexer_dim: int = 16
   index_topk: int = 4
   indexer_types: tuple[bool, ...] = (True, False)   # layer 1 reuses layer 0's selection
+  mtp: bool = False                                  # add NextN block blk.{n_layers}
   vocab_size: int = 300
   rope_theta: float = 10000.0
   eps: float = 1e-5
@@ -48,7 +50,7 @@ def build_tiny_dsa_tensors(spec: TinyDsaSpec = TinyDsaSpec()) -> dict[str, np.nd
   d, h = spec.hidden, spec.n_heads
   shapes = {"token_embd.weight": (spec.vocab_size, d), "output_norm.weight": (d,),
             "output.weight": (spec.vocab_size, d)}
-  for i in range(spec.n_layers):
+  for i in range(spec.n_layers + (1 if spec.mtp else 0)):
     p = f"blk.{i}."
     shapes.update({
         p + "attn_norm.weight": (d,),
@@ -65,7 +67,15 @@ def build_tiny_dsa_tensors(spec: TinyDsaSpec = TinyDsaSpec()) -> dict[str, np.nd
         p + "ffn_up.weight": (spec.ffn, d),
         p + "ffn_down.weight": (d, spec.ffn),
     })
-    if spec.indexer_types[i]:
+    if i == spec.n_layers:
+      shapes.update({
+          p + "nextn.eh_proj.weight": (d, 2 * d),
+          p + "nextn.enorm.weight": (d,),
+          p + "nextn.hnorm.weight": (d,),
+          p + "nextn.shared_head_head.weight": (spec.vocab_size, d),
+          p + "nextn.shared_head_norm.weight": (d,),
+      })
+    elif spec.indexer_types[i]:
       shapes.update({
           p + "indexer.attn_q_b.weight": (spec.indexer_heads * spec.indexer_dim, spec.q_lora),
           p + "indexer.attn_k.weight": (spec.indexer_dim, d),
@@ -99,7 +109,9 @@ def write_tiny_dsa_gguf(path: str | os.PathLike, spec: TinyDsaSpec = TinyDsaSpec
       w.add_tensor(name, a)
     w.add_type("model")
     w.add_name("tiny-glm-dsa")
-    w.add_block_count(spec.n_layers)
+    w.add_block_count(spec.n_layers + (1 if spec.mtp else 0))
+    if spec.mtp:
+      w.add_nextn_predict_layers(1)
     w.add_context_length(4096)
     w.add_embedding_length(spec.hidden)
     w.add_feed_forward_length(spec.ffn)
