@@ -25,7 +25,9 @@ from mtpjax.models.config import ModelConfig
 from mtpjax.models.glm4_moe import StageLayout
 
 RECORD_NAME = "mtpjax-checkpoint.json"
-FORMAT_VERSION = 1
+# 2: projection matrices are stored [in, out] (`models.layers.LinearWeight`); a version 1
+# checkpoint holds them [out, in], which square matrices would restore silently transposed.
+FORMAT_VERSION = 2
 
 
 def is_checkpoint(path) -> bool:

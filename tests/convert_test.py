@@ -7,6 +7,7 @@ for the all-or-nothing rule (no record, no temp folder after a failure).
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -165,6 +166,19 @@ class FailureTest(absltest.TestCase):
     self.assertTrue(checkpoint.is_checkpoint(out))
     self.assertFalse((out / "stale.txt").exists())
     self.assertEqual(_leftovers(out), [])
+
+
+class FormatVersionTest(absltest.TestCase):
+
+  def test_a_checkpoint_of_the_older_format_is_refused_with_the_remedy(self):
+    # Version 1 stored projections [out, in]; restoring it would transpose square matrices.
+    old = WORK / "format-1"
+    shutil.copytree(CKPT, old)
+    record = checkpoint.read_record(old) | {"format_version": 1}
+    checkpoint.write_record(old, record)
+    with self.assertRaisesRegex(errors.CheckpointError,
+                                r"format 1 is not 2.*re-run python -m mtpjax.convert"):
+      mtpjax.load(old)
 
 
 class ShardedRestoreTest(absltest.TestCase):
