@@ -1,6 +1,6 @@
 """Train the offline demo model: a small GLM-4.x MoE with a real NextN (MTP) head.
 
-    python tools/train_demo.py --out mtpjax/assets/glm-demo --steps 1500
+    python -m tools.train_demo --out=mtpjax/assets/glm-demo   # the shipped model (defaults)
 
 Deterministic for a given seed and interpreter: the corpus is the running interpreter's own
 standard-library sources (no download), excluding tests and generated tables. The loss is
@@ -40,7 +40,7 @@ from mtpjax.testing.corpus import split_corpus
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "mtpjax/assets/glm-demo", "package directory to write")
-flags.DEFINE_integer("steps", 1500, "optimizer steps")
+flags.DEFINE_integer("steps", 800, "optimizer steps")
 flags.DEFINE_integer("batch", 16, "sequences per step")
 flags.DEFINE_integer("seq_len", 128, "tokens per training sequence")
 flags.DEFINE_float("lr", 3e-3, "peak learning rate")
