@@ -12,7 +12,6 @@ import subprocess
 import sys
 import tempfile
 
-import gguf
 import jax
 import ml_dtypes
 import numpy as np
@@ -23,6 +22,7 @@ import mtpjax
 from mtpjax import checkpoint, errors, loading, sharding
 from mtpjax.convert import convert
 from mtpjax.package.writer import split_gguf
+from mtpjax.testing.gguf_rewrite import rewrite_gguf
 from mtpjax.testing.tiny_glm import TinyGlmSpec, build_tiny_glm_tensors, write_tiny_glm_gguf
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -49,29 +49,6 @@ def setUpModule():
 
 def tearDownModule():
   _tmp.cleanup()
-
-
-def _copy_gguf(src: pathlib.Path, dst: pathlib.Path, *, drop=(), replace=None) -> None:
-  """Rewrite a GGUF with gguf-py, leaving out `drop` tensors and swapping `replace` arrays."""
-  reader = gguf.GGUFReader(str(src))
-  writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
-  for name, field in reader.fields.items():
-    if name.startswith("GGUF.") or name == "general.architecture":
-      continue
-    sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-    writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
-  for t in reader.tensors:
-    if t.name in drop:
-      continue
-    if replace and t.name in replace:
-      writer.add_tensor(t.name, replace[t.name])
-    else:
-      writer.add_tensor(t.name, np.asarray(t.data), raw_shape=t.data.shape,
-                        raw_dtype=t.tensor_type)
-  writer.write_header_to_file()
-  writer.write_kv_data_to_file()
-  writer.write_tensors_to_file()
-  writer.close()
 
 
 def _leftovers(out: pathlib.Path) -> list[str]:
@@ -127,7 +104,8 @@ class FailureTest(absltest.TestCase):
 
   def test_missing_tensor_in_a_late_layer(self):
     bad = WORK / "missing.gguf"
-    _copy_gguf(SRC, bad, drop={"blk.2.ffn_up_exps.weight"})
+    rewrite_gguf(SRC, bad, tensors=lambda ts: ((t.name, t) for t in ts
+                                               if t.name != "blk.2.ffn_up_exps.weight"))
     out = WORK / "missing-out"
     # Earlier parts (embed, layer-000, layer-001) are written before layer 2 fails.
     with self.assertRaisesRegex(errors.ConversionError, r"blk\.2: ffn/up_exps"):
@@ -138,7 +116,8 @@ class FailureTest(absltest.TestCase):
     bad = WORK / "corrupt.gguf"
     name = "blk.2.attn_q.weight"
     wrong = np.zeros((SPEC.n_heads * SPEC.head_dim, SPEC.hidden // 2), np.float32)
-    _copy_gguf(SRC, bad, replace={name: wrong})
+    rewrite_gguf(SRC, bad, tensors=lambda ts: ((t.name, wrong if t.name == name else t)
+                                               for t in ts))
     out = WORK / "corrupt-out"
     with self.assertRaises(errors.ConversionError) as ctx:
       convert(bad, out, show_progress=False)

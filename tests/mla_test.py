@@ -12,6 +12,7 @@ from mtpjax import errors
 from mtpjax.models import config as config_lib
 from mtpjax.models.glm4_moe import kv_cache_shapes
 from mtpjax.models.layers import rope_interleaved
+from mtpjax.testing.gguf_rewrite import rewrite_gguf
 from fixture_checks import ReferenceFixtureChecks
 from fixtures import FIXTURES
 
@@ -103,31 +104,20 @@ class Glm4MoeLiteFixtureTest(ReferenceFixtureChecks, absltest.TestCase):
 def write_fused_kv_b(source: pathlib.Path, path: pathlib.Path) -> None:
   """Rewrite a deepseek2 GGUF the way older converters did: each layer's attn_k_b and attn_v_b
   merged back into HF's kv_b_proj, `attn_kv_b` [H * (nope + v), kv_lora] (numpy order)."""
-  reader = gguf.GGUFReader(source)
-  writer = gguf.GGUFWriter(path, "deepseek2")
-  for key, field in reader.fields.items():
-    if key.startswith("GGUF.") or key == "general.architecture":
-      continue
-    kind = field.types[0]
-    if kind == gguf.GGUFValueType.ARRAY:
-      writer.add_key_value(key, field.contents(), kind, sub_type=field.types[-1])
-    else:
-      writer.add_key_value(key, field.contents(), kind)
-  tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
-  for name, data in tensors.items():
-    if name.endswith("attn_v_b.weight"):
-      continue
-    if name.endswith("attn_k_b.weight"):
-      k_b, v_b = data, tensors[name.replace("attn_k_b", "attn_v_b")]
-      fused = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)   # [H, nope + v, kv_lora]
-      writer.add_tensor(name.replace("attn_k_b", "attn_kv_b"),
-                        fused.reshape(-1, fused.shape[-1]).astype(np.float32))
-    else:
-      writer.add_tensor(name, data)
-  writer.write_header_to_file()
-  writer.write_kv_data_to_file()
-  writer.write_tensors_to_file()
-  writer.close()
+  def fuse(tensors):
+    by_name = {t.name: t for t in tensors}
+    for name, t in by_name.items():
+      if name.endswith("attn_v_b.weight"):
+        continue
+      if name.endswith("attn_k_b.weight"):
+        k_b = np.asarray(t.data)
+        v_b = np.asarray(by_name[name.replace("attn_k_b", "attn_v_b")].data)
+        fused = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)   # [H, nope + v, kv_lora]
+        yield (name.replace("attn_k_b", "attn_kv_b"),
+               fused.reshape(-1, fused.shape[-1]).astype(np.float32))
+      else:
+        yield name, t
+  rewrite_gguf(source, path, tensors=fuse)
 
 
 class FusedKvBTest(absltest.TestCase):

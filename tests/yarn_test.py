@@ -18,6 +18,7 @@ import mtpjax
 from mtpjax import errors
 from mtpjax.models import config as config_lib
 from mtpjax.models import yarn
+from mtpjax.testing.gguf_rewrite import rewrite_gguf
 from fixtures import FIXTURES
 from glm_numpy_reference import HParams, moe, rms
 
@@ -245,27 +246,13 @@ class RopeScalingConfigTest(absltest.TestCase):
 
 def write_with_rope_keys(source: pathlib.Path, path: pathlib.Path, keys: dict) -> None:
   """Copy a GGUF through the real gguf-py writer, adding `{arch}.rope.scaling.*` keys."""
-  reader = gguf.GGUFReader(source)
-  arch = reader.fields["general.architecture"].contents()
-  writer = gguf.GGUFWriter(path, arch)
-  for key, field in reader.fields.items():
-    if key.startswith("GGUF.") or key == "general.architecture":
-      continue
-    kind = field.types[0]
-    if kind == gguf.GGUFValueType.ARRAY:
-      writer.add_key_value(key, field.contents(), kind, sub_type=field.types[-1])
-    else:
-      writer.add_key_value(key, field.contents(), kind)
-  for name, value in keys.items():
+  arch = gguf.GGUFReader(source).fields["general.architecture"].contents()
+  def typed(value):
     kind = (gguf.GGUFValueType.STRING if isinstance(value, str) else
             gguf.GGUFValueType.UINT32 if isinstance(value, int) else gguf.GGUFValueType.FLOAT32)
-    writer.add_key_value(f"{arch}.rope.scaling.{name}", value, kind)
-  for t in reader.tensors:
-    writer.add_tensor(t.name, np.asarray(t.data))
-  writer.write_header_to_file()
-  writer.write_kv_data_to_file()
-  writer.write_tensors_to_file()
-  writer.close()
+    return value, kind
+  rewrite_gguf(source, path, keys={f"{arch}.rope.scaling.{name}": typed(value)
+                                   for name, value in keys.items()})
 
 
 def reference_logits(w, meta, ids, inv_freq, magnitude, scale):
