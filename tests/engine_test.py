@@ -16,7 +16,7 @@ from absl.testing import absltest, parameterized
 from flax import nnx
 
 import mtpjax
-from mtpjax.engine.decode import ACCEPTED, COUNT, TOKEN_A, TOKEN_B, warm_up
+from mtpjax.engine.decode import ACCEPTED, CATCH_UP_ROWS, COUNT, TOKEN_A, TOKEN_B, warm_up
 from mtpjax.engine.generate import AdaptiveDrafting, Request, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.models.glm4_moe import init_kv
@@ -92,7 +92,8 @@ class FixtureTest(parameterized.TestCase):
     engine = self.model.engine(native_mtp=True, slots=3, max_len=64, prefill_buckets=(16, 32))
     warm_up(engine)
     traces = dict(engine.trace_counts)
-    self.assertEqual(traces, {"prefill": 2, "insert": 1, "verify_draft": 1, "maintain": 1})
+    self.assertEqual(traces, {"prefill": 2, "insert": 1, "verify_draft": 1, "plain": 1,
+                              "catch_up": 1})
     prompts = [self.ref["prompt_ids"], np.arange(20, dtype=np.int32)]
     results = SlotScheduler(engine).run([Request(prompt=p, max_new_tokens=30) for p in prompts])
     self.assertLess(results[0].stats.verifications, 29)     # the random head got paused
@@ -191,8 +192,12 @@ class MtpEngineTest(parameterized.TestCase):
 
   def check_state_against_scratch(self, state, slot: int, committed: list[int],
                                   check_draft: bool = True):
-    """pos/current/h_prev/draft and the KV rows a query can see, against from-scratch passes."""
+    """pos/current/h_prev/draft and the KV rows a query can see, against from-scratch passes.
+
+    A slot whose MTP KV lags (paused drafting) is checked up to its last caught-up MTP row.
+    """
     pos = int(state.pos[slot])
+    mtp_rows = pos + 1 - int(state.mtp_lag[slot])
     self.assertEqual(len(committed), pos + 1, "pos must index the last committed token")
     self.assertEqual(int(state.current[slot]), committed[-1])
     padded = np.zeros((1, self.MAX_LEN), np.int32)
@@ -211,8 +216,8 @@ class MtpEngineTest(parameterized.TestCase):
             err_msg=f"target {name} layer {layer} rows 0..{pos - 1}")
     for name, rows, cached, fresh in (("k", k_rows, state.mtp_kv[0], mtp_kv[0]),
                                       ("v", v_rows, state.mtp_kv[1], mtp_kv[1])):
-      np.testing.assert_allclose(rows(cached, slot, pos + 1), rows(fresh, 0, pos + 1),
-                                 atol=ATOL, rtol=ATOL, err_msg=f"MTP {name} rows 0..{pos}")
+      np.testing.assert_allclose(rows(cached, slot, mtp_rows), rows(fresh, 0, mtp_rows),
+                                 atol=ATOL, rtol=ATOL, err_msg=f"MTP {name} rows 0..{mtp_rows}")
     if check_draft:
       self.assertEqual(int(state.draft[slot]), int(np.argmax(mtp_logits[0, pos])))
 
@@ -253,29 +258,48 @@ class MtpEngineTest(parameterized.TestCase):
       self.assertEqual(emitted[slot], self.reference[slot][:len(emitted[slot])])
     self.assertEqual(outcomes, {"reject": 9, "accept": 10})
 
-  def test_paused_drafting_keeps_mtp_kv_and_output(self):
-    """Steps without drafting (the adaptive policy's cheap step, then a mixed batch) keep the
-    MTP KV complete, so drafting resumes with exactly the state a never-paused run has."""
+  def test_paused_steps_skip_the_mtp_block_and_catch_up_before_drafting(self):
+    """Steps without drafting run no MTP block (the MTP KV falls behind by one row a step);
+    the next drafting step first catches the rows up, so drafting resumes with exactly the
+    state a never-paused run has. 20 paused steps need two catch-up passes."""
     engine = self.on
     state, emitted = self.prefill_both(engine)
     active = np.ones(2, bool)
-    schedule = [(False, False)] * 4 + [(True, False)] * 3 + [(True, True)] * 3
-    for drafting in schedule:
+    paused = 20
+    self.assertGreater(paused, CATCH_UP_ROWS)
+    schedule = [(False, False)] * paused + [(True, False)] * 3 + [(True, True)] * 3
+    for step, drafting in enumerate(schedule):
       traces = dict(engine.trace_counts)
+      catch_ups = traces.get("catch_up", 0)
       state, result, _ = engine.step(state, active, np.asarray(drafting))
       if not any(drafting):
         self.assertEqual(engine.trace_counts.get("verify_draft"), traces.get("verify_draft"))
+        self.assertEqual(np.asarray(state.mtp_lag).tolist(), [step + 1] * 2)
+      else:
+        self.assertEqual(np.asarray(state.mtp_lag).tolist(), [0, 0])
       for slot in range(2):
         row = result[slot]
         if not drafting[slot]:
           self.assertEqual((row[COUNT], row[ACCEPTED]), (1, 0))
         emitted[slot] += [int(row[TOKEN_A])] + ([int(row[TOKEN_B])] if row[COUNT] == 2 else [])
-        fresh_draft = drafting[slot] or any(drafting)
         self.check_state_against_scratch(state, slot, list(self.prompts[slot]) + emitted[slot],
-                                         check_draft=fresh_draft)
-    self.assertEqual(engine.trace_counts["maintain"], 1)
+                                         check_draft=any(drafting))
+      self.assertEqual(engine.trace_counts.get("catch_up", 0), catch_ups)   # compiled once
     for slot in range(2):
       self.assertEqual(emitted[slot], self.reference[slot][:len(emitted[slot])])
+
+  def test_catch_up_restores_the_draft_and_mtp_rows(self):
+    engine = self.on
+    state, emitted = self.prefill_both(engine)
+    active = np.ones(2, bool)
+    for _ in range(5):
+      state, result, _ = engine.step(state, active, np.zeros(2, bool))
+      for slot in range(2):
+        emitted[slot].append(int(result[slot][TOKEN_A]))
+    state = engine.catch_up(state, active)
+    self.assertEqual(np.asarray(state.mtp_lag).tolist(), [0, 0])
+    for slot in range(2):
+      self.check_state_against_scratch(state, slot, list(self.prompts[slot]) + emitted[slot])
 
   def test_prefill_state_matches_scratch(self):
     state = self.on.init_state()
@@ -298,7 +322,10 @@ class MtpEngineTest(parameterized.TestCase):
       results = SlotScheduler(engine).run(requests)
       self.assertEqual([len(r.tokens) for r in results], [5, 9, 4, 7, 6])
       step = "verify_draft" if native_mtp else "decode"
-      self.assertEqual(engine.trace_counts, {"prefill": 2, "insert": 1, step: 1},
+      # Other tests of the class may have compiled the paused-drafting steps: once each too.
+      self.assertEqual(engine.trace_counts,
+                       {"prefill": 2, "insert": 1, step: 1} | {
+                           k: 1 for k in ("plain", "catch_up") if k in engine.trace_counts},
                        f"round {round_}")
 
   def test_donation_deletes_the_input_state(self):

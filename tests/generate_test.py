@@ -7,6 +7,7 @@ drafts taken from a from-scratch MTP pass (`Model.mtp_logits`), not from the eng
 
 import functools
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ from absl.testing import absltest, parameterized
 
 import mtpjax
 from mtpjax import errors
-from mtpjax.engine.generate import AdaptiveDrafting, Request, SlotScheduler
+from mtpjax.engine.generate import AdaptiveDrafting, DraftingCost, Request, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.telemetry import MtpStats
 from mtpjax.testing.tiny_glm import TinyGlmSpec, write_tiny_glm_gguf
@@ -232,6 +233,84 @@ class StopAndBudgetTest(parameterized.TestCase):
     with self.assertRaises(errors.MtpjaxError) as ctx:
       scheduler.submit(Request(prompt=self.prompts[0], max_new_tokens=0), lambda r: None)
     self.assertEqual(ctx.exception.field, "max_new_tokens")
+
+
+class SlowStepEngine:
+  """The real engine on a device where one kind of step costs `delay` seconds more: drafting
+  steps (as on a compute-bound device, where verifying two rows costs two steps) or plain ones
+  (as on a bandwidth-bound one, where a verify pass costs about one step)."""
+
+  def __init__(self, engine, *, slow_drafting: bool, delay: float = 0.02):
+    self.engine, self.slow_drafting, self.delay = engine, slow_drafting, delay
+    self.engine_cfg = engine.engine_cfg
+
+  def init_state(self):
+    return self.engine.init_state()
+
+  def prefill(self, prompt, sampler):
+    return self.engine.prefill(prompt, sampler)
+
+  def insert(self, prefix, state, slot):
+    return self.engine.insert(prefix, state, slot)
+
+  def step(self, state, active, drafting):
+    if bool(np.asarray(drafting)[np.asarray(active)].any()) == self.slow_drafting:
+      time.sleep(self.delay)
+    return self.engine.step(state, active, drafting)
+
+
+class CostAwareDraftingTest(parameterized.TestCase):
+  """The batch-level policy drafts only while drafting beats plain steps in wall time."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    rng = np.random.default_rng(4)
+    cls.requests = [Request(prompt=rng.integers(0, 502, size=6).astype(np.int32),
+                            max_new_tokens=48) for _ in range(2)]
+    cls.reference = [r.tokens for r in serve(False, cls.requests, slots=2)[0]]
+
+  POLICY = AdaptiveDrafting(window=4, probe_steps=2, cooldown=32)
+
+  def run_on(self, slow_drafting: bool):
+    scheduler = SlotScheduler(SlowStepEngine(engine(True, slots=2), slow_drafting=slow_drafting),
+                              adaptive=self.POLICY)
+    results = scheduler.run(self.requests)
+    self.assertEqual([r.tokens for r in results], self.reference)   # lossless either way
+    return MtpStats.total(r.stats for r in results)
+
+  def test_drafting_that_costs_more_than_it_gains_is_paused(self):
+    stats = self.run_on(slow_drafting=True)
+    # The head copies the trunk (accept rate ~1), yet 2 tokens per 20 ms step lose to 1 token
+    # per ~1 ms step: a window, the probe, one more window, then a 32-step pause to the end.
+    self.assertGreater(stats.accept_rate, 0.9)
+    self.assertEqual(stats.verifications, len(self.requests) * 2 * self.POLICY.window)
+    self.assertLess(stats.verifications, 0.3 * stats.target_passes)
+
+  def test_drafting_that_pays_keeps_going(self):
+    stats = self.run_on(slow_drafting=False)
+    # Only the probe's plain steps (per request) go without drafting.
+    self.assertGreaterEqual(stats.verifications, stats.target_passes
+                            - len(self.requests) * (1 + self.POLICY.probe_steps))
+
+  def test_the_verdict_by_hand(self):
+    cost = DraftingCost()
+    for _ in range(4):
+      cost.observe_step(True, 2.0)
+      cost.observe_step(False, 1.0)
+    self.assertTrue(cost.priced(4))
+    self.assertFalse(cost.priced(5))
+    cost.observe_draft(True)
+    cost.observe_draft(False)
+    self.assertFalse(cost.drafting_pays())     # (1 + 0.5) x 1.0 s < 2.0 s
+    cost.observe_draft(True)
+    cost.observe_draft(True)
+    self.assertFalse(cost.drafting_pays())     # (1 + 0.75) x 1.0 s < 2.0 s
+    for _ in range(61):
+      cost.observe_draft(True)                 # the window keeps the last 64 drafts
+    self.assertFalse(cost.drafting_pays())     # (1 + 63/64) x 1.0 s < 2.0 s
+    cost.observe_draft(True)                   # the rejected draft leaves the window
+    self.assertTrue(cost.drafting_pays())      # (1 + 1) x 1.0 s >= 2.0 s
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ With native MTP the step verifies `[current, draft]` in one target pass, samples
 positions with position-keyed keys, accepts the draft iff the target's own token equals it,
 and drafts the next token from the MTP head over the two new rows. Rows past the committed
 length are never read before they are rewritten, so a rejection needs no rollback.
+
+While no slot drafts (the scheduler paused drafting), a plain step costs what a step with MTP
+off costs: the MTP block does not run, each committed row's MTP inputs (token, trunk hidden)
+go to a history buffer and the slot's MTP KV falls behind. Before drafting resumes, catch-up
+passes run the MTP block over the missing rows, CATCH_UP_ROWS at a time.
 """
 
 from __future__ import annotations
@@ -27,10 +32,13 @@ from flax import nnx
 from mtpjax import errors
 from mtpjax.engine.sampling import SamplerParams, greedy_tokens, request_key, sample
 from mtpjax.models.config import ModelConfig
-from mtpjax.models.glm4_moe import init_kv, previous_hidden
+from mtpjax.models.glm4_moe import init_kv, kv_cache_shapes, previous_hidden
+from mtpjax.models.layers import write_rows
 
 # ResultTokens columns: one int32 [B, 4] array per step means one device->host copy.
 TOKEN_A, TOKEN_B, COUNT, ACCEPTED = range(4)
+# MTP rows one catch-up pass writes per slot; the MTP cache and history keep this many spare rows.
+CATCH_UP_ROWS = 16
 
 
 def counted(trace_counts: dict[str, int], name: str, fn: Callable) -> Callable:
@@ -66,6 +74,11 @@ class EngineConfig:
   def cache_len(self) -> int:
     """Two spare rows hold the verify and draft rows of the last step."""
     return self.max_len + 2
+
+  @property
+  def mtp_cache_len(self) -> int:
+    """MTP KV and history rows: a catch-up pass writes a whole window past the last row."""
+    return self.cache_len + CATCH_UP_ROWS
 
   def padded_prompt(self, prompt) -> tuple[np.ndarray, int]:
     """(tokens [1, bucket], prompt length): the bucket leaves one row for the first sampled
@@ -106,6 +119,11 @@ class DecodeState:
   """
   kv: list
   mtp_kv: tuple | None
+  # Native MTP only (else None): the MTP block's inputs of every committed row (token x_p,
+  # trunk hidden h_{p-1}), and how many rows up to `pos` the MTP KV still lacks.
+  history_tokens: jax.Array | None   # [B, S'] int32
+  history_hidden: jax.Array | None   # [B, S', D]
+  mtp_lag: jax.Array | None          # [B] int32
   pos: jax.Array          # [B] position of `current`
   current: jax.Array      # [B] sampled token not yet in the target KV
   draft: jax.Array        # [B] MTP draft for position pos + 1
@@ -145,7 +163,8 @@ class Engine:
       self._draft = jax.jit(self._counted("draft", self._draft_fn), donate_argnames=("state",))
       self._fused = jax.jit(self._counted("verify_draft", self._fused_fn),
                             donate_argnames=("state",))
-      self._maintain = jax.jit(self._counted("maintain", self._maintain_fn),
+      self._plain = jax.jit(self._counted("plain", self._plain_fn), donate_argnames=("state",))
+      self._catch_up = jax.jit(self._counted("catch_up", self._catch_up_fn),
                                donate_argnames=("state",))
     else:
       self._decode = jax.jit(self._counted("decode", self._decode_fn), donate_argnames=("state",))
@@ -161,10 +180,10 @@ class Engine:
   def init_state(self) -> DecodeState:
     cfg, ec = self.cfg, self.engine_cfg
     b = ec.slots
-    mtp_kv = (init_kv(cfg, 1, b, ec.cache_len, self.dtype)[0] if ec.native_mtp else None)
     return DecodeState(
-        kv=init_kv(cfg, cfg.n_layers, b, ec.cache_len, self.dtype), mtp_kv=mtp_kv,
-        pos=jnp.zeros((b,), jnp.int32), current=jnp.zeros((b,), jnp.int32),
+        kv=init_kv(cfg, cfg.n_layers, b, ec.cache_len, self.dtype),
+        **mtp_fields(cfg, ec, b, self.dtype, np.zeros), pos=jnp.zeros((b,), jnp.int32),
+        current=jnp.zeros((b,), jnp.int32),
         draft=jnp.zeros((b,), jnp.int32), h_prev=jnp.zeros((b, cfg.hidden), self.dtype),
         keys=jnp.zeros((b, 2), jnp.uint32), temperature=jnp.zeros((b,), jnp.float32),
         top_k=jnp.zeros((b,), jnp.int32), top_p=jnp.ones((b,), jnp.float32))
@@ -213,8 +232,9 @@ class Engine:
     drafting = np.ones(active.shape, bool) if drafting is None else np.asarray(drafting, bool)
     live = np.asarray(active)
     if not (drafting[live].any() if live.any() else drafting.any()):
-      state, result = self._maintain(self._leaves, state, active)
+      state, result = self._plain(self._leaves, state, active)
       return state, np.asarray(result), {}
+    state = self.catch_up(state, active)
     drafting = jnp.asarray(drafting)
     if not self.engine_cfg.timing:
       state, result = self._fused(self._leaves, state, active, drafting)
@@ -228,6 +248,14 @@ class Engine:
     end = time.perf_counter()
     return state, result, {"verification_compute_us": int((mid - start) * 1e6),
                            "proposal_compute_us": int((end - mid) * 1e6)}
+
+  def catch_up(self, state: DecodeState, active) -> DecodeState:
+    """Bring every active slot's MTP KV (and draft) up to its position after paused steps."""
+    live = np.asarray(active, bool)
+    lag = int(np.asarray(state.mtp_lag)[live].max()) if live.any() else 0
+    for _ in range(-(-lag // CATCH_UP_ROWS)):
+      state = self._catch_up(self._leaves, state, jnp.asarray(live))
+    return state
 
   def _decode_fn(self, leaves, state: DecodeState, active):
     model = self._model(leaves)
@@ -250,12 +278,15 @@ class Engine:
     state, verified = self._verify_fn(leaves, state, active)
     return self._draft_fn(leaves, state, verified, active, drafting)
 
-  def _maintain_fn(self, leaves, state: DecodeState, active):
-    """Plain decode that still writes the committed token's MTP KV row (no MTP head)."""
+  def _plain_fn(self, leaves, state: DecodeState, active):
+    """A step without drafting: decode one position, record the row's MTP inputs."""
     model = self._model(leaves)
     hidden, kv = model.forward(
         *step_inputs(state.current, state.draft, state.pos, native_mtp=False), state.kv)
-    return mtp_maintain_commit(model, state.replace(kv=kv), hidden, active)
+    return plain_commit(model, state.replace(kv=kv), hidden, active)
+
+  def _catch_up_fn(self, leaves, state: DecodeState, active):
+    return catch_up_commit(self._model(leaves), state, active)
 
 
 # --- head-side step logic ---------------------------------------------------------------------
@@ -272,6 +303,18 @@ def step_inputs(current, draft, pos, *, native_mtp: bool) -> tuple[jax.Array, ja
   return tokens, pos[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
 
 
+def mtp_fields(cfg: ModelConfig, engine_cfg: EngineConfig, batch: int, dtype, zeros) -> dict:
+  """The DecodeState fields native MTP adds, empty (`zeros`: np.zeros or jnp.zeros)."""
+  if not engine_cfg.native_mtp:
+    return dict(mtp_kv=None, history_tokens=None, history_hidden=None, mtp_lag=None)
+  rows = engine_cfg.mtp_cache_len
+  (k, v), = kv_cache_shapes(cfg, 1, batch, rows)
+  return dict(mtp_kv=(zeros(k, dtype), zeros(v, dtype)),
+              history_tokens=zeros((batch, rows), np.int32),
+              history_hidden=zeros((batch, rows, cfg.hidden), dtype),
+              mtp_lag=zeros((batch,), np.int32))
+
+
 def prefill_commit(model, engine_cfg: EngineConfig, tokens, hidden, length,
                    sampler: tuple) -> DecodeState:
   """Sample the first token from the prompt's last hidden and, with MTP, draft the next one.
@@ -282,15 +325,20 @@ def prefill_commit(model, engine_cfg: EngineConfig, tokens, hidden, length,
   positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
   last = jax.lax.dynamic_index_in_dim(hidden, length - 1, axis=1, keepdims=False)  # [1, D]
   first = sample(model.lm_logits(last), keys, length[None], temperature, top_k, top_p)
-  mtp_kv, draft = None, jnp.zeros((1,), jnp.int32)
+  fields = mtp_fields(model.cfg, engine_cfg, 1, model.dtype, jnp.zeros)
+  draft = jnp.zeros((1,), jnp.int32)
   if engine_cfg.native_mtp:
     mtp_tokens = jax.lax.dynamic_update_index_in_dim(tokens, first, length, axis=1)
     prev = previous_hidden(hidden)
-    mtp_kv = init_kv(model.cfg, 1, 1, engine_cfg.cache_len, model.dtype)[0]
-    z, mtp_kv = model.mtp_hidden(mtp_tokens, prev, positions, mtp_kv)
+    z, mtp_kv = model.mtp_hidden(mtp_tokens, prev, positions, fields["mtp_kv"])
     z_last = jax.lax.dynamic_index_in_dim(z, length, axis=1, keepdims=False)
     draft = greedy_tokens(model.mtp_logits(z_last))
-  return DecodeState(kv=[], mtp_kv=mtp_kv, pos=length[None], current=first, draft=draft,
+    start = jnp.zeros((1,), jnp.int32)
+    fields.update(
+        mtp_kv=mtp_kv,
+        history_tokens=write_rows(fields["history_tokens"], mtp_tokens, start),
+        history_hidden=write_rows(fields["history_hidden"], prev, start))
+  return DecodeState(kv=[], **fields, pos=length[None], current=first, draft=draft,
                      h_prev=last, keys=keys, temperature=temperature, top_k=top_k, top_p=top_p)
 
 
@@ -315,11 +363,18 @@ def verify_tokens(model, state: DecodeState, hidden) -> tuple[jax.Array, jax.Arr
   return token_a, token_b, hidden
 
 
+def _record_rows(state: DecodeState, start, rows, hidden) -> DecodeState:
+  """Write MTP inputs (tokens [B, T], trunk hiddens [B, T, D]) for rows start .. start + T."""
+  return state.replace(history_tokens=write_rows(state.history_tokens, rows, start),
+                       history_hidden=write_rows(state.history_hidden, hidden, start))
+
+
 def draft_commit(model, state: DecodeState, verified, active,
                  drafting=None) -> tuple[DecodeState, jax.Array]:
   """MTP pass over the two new rows, then commit one or two tokens per slot.
 
   A slot outside `drafting` never accepts: it commits only the target's own token.
+  Every active slot must be caught up (`mtp_lag` 0), see `Engine.catch_up`.
   """
   token_a, token_b, hidden = verified
   accept = token_a == state.draft
@@ -334,7 +389,7 @@ def draft_commit(model, state: DecodeState, verified, active,
   step = jnp.where(accept, 2, 1)
   result = jnp.stack([token_a, token_b, step, accept.astype(jnp.int32)], axis=1)
   keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
-  state = state.replace(
+  state = _record_rows(state, state.pos + 1, rows, hidden).replace(
       mtp_kv=mtp_kv,
       pos=keep(state.pos + step, state.pos),
       current=keep(jnp.where(accept, token_b, token_a), state.current),
@@ -343,17 +398,36 @@ def draft_commit(model, state: DecodeState, verified, active,
   return state, result
 
 
-def mtp_maintain_commit(model, state: DecodeState, hidden,
-                        active) -> tuple[DecodeState, jax.Array]:
-  """Commit one sampled token per slot and write its MTP KV row (t, h_pos) at pos + 1.
-
-  The MTP KV must hold a row for every committed position, so drafting can resume at any
-  step; the draft itself is left as it was (a stale draft is only ever rejected).
-  """
+def plain_commit(model, state: DecodeState, hidden, active) -> tuple[DecodeState, jax.Array]:
+  """Commit one sampled token per slot without the MTP block: the new row's MTP inputs
+  (token, h_pos) go to the history and the slot's MTP KV falls one more row behind.
+  The draft is left as it was (a stale draft is only ever rejected)."""
   committed, result = decode_commit(model, state, hidden, active)
-  _, mtp_kv = model.mtp_hidden(committed.current[:, None], hidden, state.pos[:, None] + 1,
-                               state.mtp_kv)
-  return committed.replace(mtp_kv=mtp_kv), result
+  committed = _record_rows(committed, state.pos + 1, committed.current[:, None], hidden)
+  return committed.replace(mtp_lag=jnp.where(active, state.mtp_lag + 1, state.mtp_lag)), result
+
+
+def catch_up_commit(model, state: DecodeState, active) -> DecodeState:
+  """Run the MTP block over the next CATCH_UP_ROWS missing rows of each lagging slot.
+
+  Rows past `pos` in the window are written from stale history; like every row past the
+  committed length they are rewritten before they are read. The slot whose window reaches
+  `pos` drafts afresh from its last row.
+  """
+  start = state.pos + 1 - state.mtp_lag                                    # first missing row
+  window = lambda a, s: jax.lax.dynamic_slice_in_dim(a, s, CATCH_UP_ROWS, axis=0)
+  tokens = jax.vmap(window)(state.history_tokens, start)
+  hidden = jax.vmap(window)(state.history_hidden, start)
+  positions = start[:, None] + jnp.arange(CATCH_UP_ROWS, dtype=jnp.int32)[None]
+  z, mtp_kv = model.mtp_hidden(tokens, hidden, positions, state.mtp_kv)
+  last = jnp.clip(state.pos - start, 0, CATCH_UP_ROWS - 1)
+  z_last = jnp.take_along_axis(z, last[:, None, None], axis=1)[:, 0]
+  lagging = active & (state.mtp_lag > 0)
+  done = lagging & (state.mtp_lag <= CATCH_UP_ROWS)
+  return state.replace(
+      mtp_kv=mtp_kv,
+      mtp_lag=jnp.where(lagging, jnp.maximum(state.mtp_lag - CATCH_UP_ROWS, 0), state.mtp_lag),
+      draft=jnp.where(done, greedy_tokens(model.mtp_logits(z_last)), state.draft))
 
 
 def warm_up(engine) -> None:
@@ -371,3 +445,7 @@ def warm_up(engine) -> None:
     return
   for drafting in (np.ones(ec.slots, bool), np.zeros(ec.slots, bool)):
     state, _, _ = engine.step(state, inactive, drafting)
+  if hasattr(engine, "catch_up"):    # a paused slot's missing MTP rows, before it drafts again
+    first = np.arange(ec.slots) == 0
+    state, _, _ = engine.step(state, first, np.zeros(ec.slots, bool))
+    engine.catch_up(state, first)

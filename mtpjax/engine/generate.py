@@ -43,15 +43,50 @@ class Result:
 
 @dataclasses.dataclass(frozen=True)
 class AdaptiveDrafting:
-  """Per-slot drafting policy: a slot whose recent drafts are mostly rejected stops drafting.
+  """When to draft, so that MTP on is not slower than MTP off.
 
-  After `window` verified drafts with an accept rate below `min_accept_rate`, the slot commits
-  plain target tokens for `cooldown` steps, then drafts again. When no slot drafts, the engine
-  runs its cheaper one-position step, so MTP does not cost more than MTP off for long.
+  Per slot: after `window` verified drafts with an accept rate below `min_accept_rate`, the
+  slot commits plain target tokens for `cooldown` steps, then drafts again.
+  Per batch (`cost_aware`): drafting pays when (1 + accept rate) tokens per drafting step beat
+  one token per plain step in wall time. The scheduler times both kinds of steps (a few plain
+  steps are sampled first); when drafting does not pay, every slot pauses for `cooldown`
+  steps, doubling (up to `max_backoff` times) while it keeps not paying. A step in which no
+  slot drafts costs what a step with MTP off costs (no MTP block, see `Engine.step`).
   """
   window: int = 8
   min_accept_rate: float = 0.3
   cooldown: int = 32
+  cost_aware: bool = True
+  max_backoff: int = 8
+  probe_steps: int = 4          # plain steps sampled to price a step without drafting
+
+
+class DraftingCost:
+  """Recent wall time of drafting and plain steps, and the accept rate of recent drafts."""
+
+  SAMPLES = 16
+
+  def __init__(self):
+    self.seconds = {True: collections.deque(maxlen=self.SAMPLES),
+                    False: collections.deque(maxlen=self.SAMPLES)}
+    self.accepted = collections.deque(maxlen=4 * self.SAMPLES)
+
+  def observe_step(self, drafting: bool, seconds: float) -> None:
+    self.seconds[drafting].append(seconds)
+
+  def observe_draft(self, accepted: bool) -> None:
+    self.accepted.append(accepted)
+
+  def priced(self, steps: int) -> bool:
+    """Both kinds of steps have at least `steps` timings."""
+    return min(len(self.seconds[True]), len(self.seconds[False])) >= steps
+
+  def drafting_pays(self) -> bool:
+    """Tokens per second with drafting >= without (both must be priced). Each kind is priced
+    by its fastest recent step: compiles, catch-ups and host hiccups only ever add time."""
+    rate = float(np.mean(self.accepted)) if self.accepted else 0.0
+    fused, plain = (min(self.seconds[k]) for k in (True, False))
+    return (1.0 + rate) * plain >= fused
 
 
 @dataclasses.dataclass
@@ -76,6 +111,10 @@ class SlotScheduler:
   def __init__(self, engine: Engine, adaptive: AdaptiveDrafting | None = AdaptiveDrafting()):
     self.engine = engine
     self.adaptive = adaptive
+    self.cost = DraftingCost()
+    self.batch_paused_steps = 0     # steps left in which no slot drafts (cost policy)
+    self._backoff = 1
+    self._drafting_steps = 0        # drafting steps since the last cost verdict
     self.state = engine.init_state()
     self.slots: list[_Live | None] = [None] * engine.engine_cfg.slots
     self.waiting: collections.deque[tuple[Request, Callable[[Result], None]]] = (
@@ -141,7 +180,7 @@ class SlotScheduler:
     live = self.slots[index]
     self.slots[index] = None
     c = live.counts
-    if self.native_mtp and live.drafting:
+    if self.native_mtp and live.drafting and self.batch_paused_steps == 0:
       c["drafted"] += 1             # the last draft, dropped unverified
     stats = MtpStats.from_counts(
         native_mtp=self.native_mtp, drafted=c["drafted"], accepted=c["accepted"],
@@ -160,9 +199,12 @@ class SlotScheduler:
     if not active.any():
       return
     self.occupancy_samples.append(float(active.mean()))
-    drafting = np.array([s is not None and s.drafting for s in self.slots])
+    drafting = np.array([s is not None and s.drafting and self.batch_paused_steps == 0
+                         for s in self.slots])
     if self.native_mtp:
+      started = time.perf_counter()
       self.state, result, timing = self.engine.step(self.state, active, drafting)
+      self.cost.observe_step(bool(drafting.any()), time.perf_counter() - started)
     else:
       self.state, result, timing = self.engine.step(self.state, active)
     for index, live in enumerate(self.slots):
@@ -177,6 +219,28 @@ class SlotScheduler:
         self._account_draft(live, drafting[index], bool(row[ACCEPTED]), timing)
       tokens = [int(row[TOKEN_A])] + ([int(row[TOKEN_B])] if count == 2 else [])
       self._emit(index, tokens)
+    if self.native_mtp:
+      self._price_drafting(bool(drafting.any()))
+
+  def _price_drafting(self, drafted: bool) -> None:
+    """The batch-level cost policy of `AdaptiveDrafting` (see there)."""
+    policy = self.adaptive
+    if policy is None or not policy.cost_aware:
+      return
+    if not drafted:
+      self.batch_paused_steps = max(0, self.batch_paused_steps - 1)
+      return
+    self._drafting_steps += 1
+    if self._drafting_steps < policy.window:
+      return
+    self._drafting_steps = 0
+    if not self.cost.priced(policy.probe_steps):
+      self.batch_paused_steps = policy.probe_steps
+    elif self.cost.drafting_pays():
+      self._backoff = 1
+    else:
+      self.batch_paused_steps = policy.cooldown * self._backoff
+      self._backoff = min(2 * self._backoff, policy.max_backoff)
 
   def _account_draft(self, live: _Live, drafted: bool, accepted: bool, timing: dict) -> None:
     """Count a verified draft and apply the adaptive policy to the slot."""
@@ -184,10 +248,11 @@ class SlotScheduler:
     c["proposal_us"] += timing.get("proposal_compute_us", 0)
     c["verification_us"] += timing.get("verification_compute_us", 0)
     if not drafted:
-      live.paused_steps -= 1
+      live.paused_steps = max(0, live.paused_steps - 1)
       return
     c["drafted"] += 1
     c["accepted" if accepted else "rejected"] += 1
+    self.cost.observe_draft(accepted)
     policy = self.adaptive
     if policy is None:
       return

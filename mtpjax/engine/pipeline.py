@@ -180,12 +180,9 @@ class PipelinedEngine:
             for s in range(len(self.layouts))]
       control = None
       if self.hops.local(self.last):
-        mtp_kv = None
-        if ec.native_mtp:
-          (k, v), = kv_cache_shapes(cfg, 1, b, ec.cache_len)
-          mtp_kv = (np.zeros(k, self.dtype), np.zeros(v, self.dtype))
         control = jax.device_put(DecodeState(
-            kv=[], mtp_kv=mtp_kv, pos=np.zeros((b,), np.int32),
+            kv=[], **decode.mtp_fields(cfg, ec, b, self.dtype, np.zeros),
+            pos=np.zeros((b,), np.int32),
             current=np.zeros((b,), np.int32), draft=np.zeros((b,), np.int32),
             h_prev=np.zeros((b, cfg.hidden), self.dtype), keys=np.zeros((b, 2), np.uint32),
             temperature=np.zeros((b,), np.float32), top_k=np.zeros((b,), np.int32),
