@@ -135,10 +135,10 @@ class DecodeState:
 
 
 def _sampler_arrays(sampler: SamplerParams):
-  return (jnp.asarray([request_key(sampler.seed)], jnp.uint32),
-          jnp.asarray([sampler.temperature], jnp.float32),
-          jnp.asarray([sampler.top_k], jnp.int32),
-          jnp.asarray([sampler.top_p], jnp.float32))
+  return (np.asarray([request_key(sampler.seed)], np.uint32),
+          np.asarray([sampler.temperature], np.float32),
+          np.asarray([sampler.top_k], np.int32),
+          np.asarray([sampler.top_p], np.float32))
 
 
 class Engine:
@@ -194,7 +194,7 @@ class Engine:
     """Run a prompt; the bucket leaves one row for the first sampled token's MTP row."""
     tokens, length = self.engine_cfg.padded_prompt(prompt)
     keys, temperature, top_k, top_p = _sampler_arrays(sampler.validate())
-    return self._prefill(self._leaves, jnp.asarray(tokens), jnp.int32(length), keys,
+    return self._prefill(self._leaves, tokens, np.int32(length), keys,
                          temperature, top_k, top_p)
 
   def _prefill_fn(self, leaves, tokens, length, keys, temperature, top_k, top_p) -> DecodeState:
@@ -207,7 +207,7 @@ class Engine:
     return prefix.replace(kv=kv)
 
   def insert(self, prefix: DecodeState, state: DecodeState, slot: int) -> DecodeState:
-    return self._insert(prefix, state, jnp.int32(slot))
+    return self._insert(prefix, state, np.int32(slot))
 
   @staticmethod
   def _insert_fn(prefix: DecodeState, state: DecodeState, slot) -> DecodeState:
@@ -222,20 +222,20 @@ class Engine:
 
     With native MTP, `drafting` [B] says which slots use their draft this step (None: all).
     A slot that does not draft only commits the target's token, so its output is unchanged;
-    when no active slot drafts, a cheaper step decodes one position and only keeps the MTP
-    KV cache in step (no second position, no MTP head).
+    when no active slot drafts, a plain step decodes one position without the MTP block, and
+    the next drafting step first catches the MTP KV up (`catch_up`).
     """
-    active = jnp.asarray(active, bool)
+    # Host arrays go to the compiled steps as they are: jit's own transfer is far cheaper than
+    # a jnp.asarray per argument (a few hundred microseconds a step on a CPU host).
+    active = np.asarray(active, bool)
     if not self.engine_cfg.native_mtp:
       state, result = self._decode(self._leaves, state, active)
       return state, np.asarray(result), {}
     drafting = np.ones(active.shape, bool) if drafting is None else np.asarray(drafting, bool)
-    live = np.asarray(active)
-    if not (drafting[live].any() if live.any() else drafting.any()):
+    if not (drafting[active].any() if active.any() else drafting.any()):
       state, result = self._plain(self._leaves, state, active)
       return state, np.asarray(result), {}
     state = self.catch_up(state, active)
-    drafting = jnp.asarray(drafting)
     if not self.engine_cfg.timing:
       state, result = self._fused(self._leaves, state, active, drafting)
       return state, np.asarray(result), {}
@@ -254,7 +254,7 @@ class Engine:
     live = np.asarray(active, bool)
     lag = int(np.asarray(state.mtp_lag)[live].max()) if live.any() else 0
     for _ in range(-(-lag // CATCH_UP_ROWS)):
-      state = self._catch_up(self._leaves, state, jnp.asarray(live))
+      state = self._catch_up(self._leaves, state, live)
     return state
 
   def _decode_fn(self, leaves, state: DecodeState, active):
