@@ -57,6 +57,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   config.engine.prefill_buckets = (16, 32, 64, 128, 256)
   config.engine.timing = False     # syncs after draft/verify to fill the *_compute_us counters
   config.engine.seed = 0
+  # When to draft (AdaptiveDrafting): "cost" pauses drafting while it does not pay in wall time
+  # or while a slot's drafts are rejected; "accept_rate" only the latter; "off" always drafts.
+  config.engine.adaptive_drafting = "cost"
 
   config.sampling = ml_collections.ConfigDict()
   config.sampling.temperature = 0.0

@@ -293,6 +293,13 @@ class CostAwareDraftingTest(parameterized.TestCase):
     self.assertGreaterEqual(stats.verifications, stats.target_passes
                             - len(self.requests) * (1 + self.POLICY.probe_steps))
 
+  def test_modes(self):
+    self.assertIsNone(AdaptiveDrafting.from_mode("off"))
+    self.assertFalse(AdaptiveDrafting.from_mode("accept_rate").cost_aware)
+    self.assertEqual(AdaptiveDrafting.from_mode("cost"), AdaptiveDrafting())
+    with self.assertRaisesRegex(errors.MtpjaxError, "engine.adaptive_drafting"):
+      AdaptiveDrafting.from_mode("always")
+
   def test_the_verdict_by_hand(self):
     cost = DraftingCost()
     for _ in range(4):

@@ -151,6 +151,9 @@ class StartupErrorTest(parameterized.TestCase):
        "defaults.speculative.strategy must be one of: auto, native-mtp-n1, disabled"),
       ("missing_source_path", ("--config=configs/glm.py", "--config.model.source=/nonexistent"),
        "/nonexistent does not exist"),
+      ("bad_drafting_mode", ("--config=configs/glm.py",
+                             "--config.engine.adaptive_drafting=sometimes"),
+       "unknown adaptive drafting mode 'sometimes'"),
   )
   def test_exits_with_the_message(self, flags, message):
     tmp = tempfile.mkdtemp(prefix="mtpjax-startup-test-")

@@ -175,7 +175,10 @@ class ServerTestBase(parameterized.TestCase):
 class ServerTest(ServerTestBase):
   """The default command: embedded package, strategy auto -> native MTP on."""
 
-  FLAGS = ("--config.engine.max_len=1024", "--config.engine.slots=4")
+  # Per-slot pauses only: the counters below expect every request to draft, which the cost
+  # policy need not do on a CPU.
+  FLAGS = ("--config.engine.max_len=1024", "--config.engine.slots=4",
+           "--config.engine.adaptive_drafting=accept_rate")
 
   def test_ready_line_follows_the_resolution_reason(self):
     log = self.server.log()

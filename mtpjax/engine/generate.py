@@ -60,6 +60,18 @@ class AdaptiveDrafting:
   max_backoff: int = 8
   probe_steps: int = 4          # plain steps sampled to price a step without drafting
 
+  MODES = ("cost", "accept_rate", "off")
+
+  @classmethod
+  def from_mode(cls, mode: str) -> "AdaptiveDrafting | None":
+    """`config.engine.adaptive_drafting`: "cost" (the default policy), "accept_rate" (per-slot
+    pauses only) or "off" (every step drafts)."""
+    if mode not in cls.MODES:
+      raise errors.MtpjaxError(
+          f"unknown adaptive drafting mode {mode!r}", field="engine.adaptive_drafting",
+          remedy=f"choose one of {', '.join(cls.MODES)}")
+    return None if mode == "off" else cls(cost_aware=mode == "cost")
+
 
 class DraftingCost:
   """Recent wall time of drafting and plain steps, and the accept rate of recent drafts."""

@@ -104,7 +104,9 @@ def causal_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   speculative decoding. q: [B, T, H, hd]; k_cache: [B, Hkv, S, hd]; v_cache: [B, Hkv, vd, S].
   With these layouts XLA:CPU reads both caches in place; with any other (e.g. [B, S, Hkv, d]
   or values [B, Hkv, S, vd]) it transposes, i.e. copies, every layer's whole cache at every
-  step. Returns [B, T, H, vd].
+  step. Known gap: with one slot XLA:CPU still copies the caches (it duplicates the row write
+  for this read); reading the cache before the write avoids that but costs more at 8 slots.
+  Returns [B, T, H, vd].
   """
   b, t, h, hd = q.shape
   hkv = k_cache.shape[1]

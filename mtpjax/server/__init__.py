@@ -16,7 +16,7 @@ from absl import logging
 import mtpjax
 from mtpjax import distributed, embedded, errors, speculative
 from mtpjax.engine.decode import warm_up
-from mtpjax.engine.generate import SlotScheduler
+from mtpjax.engine.generate import AdaptiveDrafting, SlotScheduler
 from mtpjax.gguf.tokenizer import ChatTemplate, GgufTokenizer
 from mtpjax.server.app import SamplingDefaults, Service, create_app
 from mtpjax.server.metrics import ServerMetrics
@@ -58,6 +58,7 @@ def build_service(config) -> Service:
   """Loads the model the config names, resolves MTP once, warms up and starts the engine."""
   _refuse_multi_process(config)
   speculative.strategy_from_config(config, config.model.name)   # a bad value fails before I/O
+  drafting_policy = AdaptiveDrafting.from_mode(config.engine.adaptive_drafting)
   engine_cfg = config.engine
   max_prompt = _max_prompt_tokens(engine_cfg.max_len, tuple(engine_cfg.prefill_buckets))
   source = embedded.resolve_source(config)
@@ -74,7 +75,7 @@ def build_service(config) -> Service:
   tokenizer = GgufTokenizer.from_metadata(model.metadata, path=source)
   chat_template = ChatTemplate.from_metadata(model.metadata, path=source)
 
-  scheduler = SlotScheduler(engine)
+  scheduler = SlotScheduler(engine, adaptive=drafting_policy)
   warm_s = _warm_up(scheduler)
   logging.info("compiled and warmed up the engine in %.1f s (%d slots, max_len %d)", warm_s,
                settings.slots, settings.max_len)

@@ -201,7 +201,7 @@ class EngineWorker:
         logging.exception("engine step failed; failing %d live requests and restarting "
                           "with a fresh decode state", len(self._live))
         self._fail_live(error)
-        self.scheduler = SlotScheduler(self.scheduler.engine)
+        self.scheduler = SlotScheduler(self.scheduler.engine, adaptive=self.scheduler.adaptive)
     self._fail_live(RuntimeError("the server is shutting down"))
 
   def _fail_live(self, error: BaseException) -> None:
