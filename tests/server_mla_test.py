@@ -15,12 +15,10 @@ import pathlib
 import shutil
 import tempfile
 
-import httpx
-import openai
 from absl.testing import absltest
 
 from fixtures import FIXTURES
-from server_test import ServerProcess, metric, package_tokenizer
+from server_test import ServerProcess, close_server, metric, open_clients, package_tokenizer
 
 NEW_TOKENS = 8
 PROMPTS = ("The quick brown fox", "Hello, world!")   # 14 and 10 tokens: the 16 bucket holds them
@@ -53,9 +51,7 @@ class _MlaServerChecks:
       cls.server.stop()
       shutil.rmtree(cls.tmp, ignore_errors=True)
       raise
-    cls.http = httpx.Client(base_url=cls.url, timeout=120)
-    cls.client = openai.OpenAI(base_url=cls.url + "/v1", api_key="unused", max_retries=0,
-                               timeout=120)
+    open_clients(cls)
 
   @classmethod
   def prepare_references(cls):
@@ -78,10 +74,7 @@ class _MlaServerChecks:
 
   @classmethod
   def tearDownClass(cls):
-    cls.http.close()
-    cls.client.close()
-    cls.server.stop()
-    shutil.rmtree(cls.tmp, ignore_errors=True)
+    close_server(cls)
     super().tearDownClass()
 
   def decode(self, tokens: list[int], stops) -> str:

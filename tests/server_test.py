@@ -103,6 +103,21 @@ def package_tokenizer(package_dir: pathlib.Path) -> tuple[GgufTokenizer, ChatTem
   return GgufTokenizer.from_metadata(metadata), ChatTemplate.from_metadata(metadata)
 
 
+def open_clients(cls) -> None:
+  """`cls.http` (httpx) and `cls.client` (openai) for the server at `cls.url`."""
+  cls.http = httpx.Client(base_url=cls.url, timeout=120)
+  cls.client = openai.OpenAI(base_url=cls.url + "/v1", api_key="unused", max_retries=0,
+                             timeout=120)
+
+
+def close_server(cls) -> None:
+  """Close a test class's clients, stop its server and remove its folder."""
+  cls.http.close()
+  cls.client.close()
+  cls.server.stop()
+  shutil.rmtree(cls.tmp, ignore_errors=True)
+
+
 class ServerTestBase(parameterized.TestCase):
   """One server for the class; subclasses name the flags."""
 
@@ -123,9 +138,7 @@ class ServerTestBase(parameterized.TestCase):
       raise
     cls.package_dir = embedded.embedded_package_dir(cls.tmp)   # built by the server if needed
     cls.tokenizer, cls.template = package_tokenizer(cls.package_dir)
-    cls.http = httpx.Client(base_url=cls.url, timeout=120)
-    cls.client = openai.OpenAI(base_url=cls.url + "/v1", api_key="unused", max_retries=0,
-                               timeout=120)
+    open_clients(cls)
 
   @classmethod
   def prepare_references(cls):
@@ -133,10 +146,7 @@ class ServerTestBase(parameterized.TestCase):
 
   @classmethod
   def tearDownClass(cls):
-    cls.http.close()
-    cls.client.close()
-    cls.server.stop()
-    shutil.rmtree(cls.tmp, ignore_errors=True)
+    close_server(cls)
     super().tearDownClass()
 
   def metrics(self) -> str:
