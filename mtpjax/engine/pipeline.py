@@ -5,9 +5,9 @@ stages; stage 0 embeds, the last stage holds the final norm, the head and the Ne
 it samples, verifies and drafts with the Engine's own head-side functions (`decode.py`), and a
 last stage that holds only the NextN block runs just those. Each stage is jitted on its own
 sub-mesh; activations hop stage to stage (`pipeline_hops.py`), with the glm-dsa row selection
-when the next stage starts on a layer that reuses it (`StageLayout.takes_selection`). Slots are split into
-microbatches, and JAX's asynchronous dispatch lets stage s work on one group while s + 1 works
-on the previous one.
+when the next stage starts on a layer that reuses it (`StageLayout.takes_selection`). Slots
+are split into microbatches, and JAX's asynchronous dispatch lets stage s work on one group
+while s + 1 works on the previous one.
 """
 
 from __future__ import annotations
