@@ -119,8 +119,8 @@ class DecodeState:
   """
   kv: list
   mtp_kv: tuple | None
-  # Native MTP only (else None): the MTP block's inputs of every committed row (token x_p,
-  # trunk hidden h_{p-1}), and how many rows up to `pos` the MTP KV still lacks.
+  # Native MTP only (else None): the MTP block's inputs (token x_p, trunk hidden h_{p-1}) of
+  # the rows plain steps committed, and how many rows up to `pos` the MTP KV still lacks.
   history_tokens: jax.Array | None   # [B, S'] int32
   history_hidden: jax.Array | None   # [B, S', D]
   mtp_lag: jax.Array | None          # [B] int32
@@ -333,11 +333,7 @@ def prefill_commit(model, engine_cfg: EngineConfig, tokens, hidden, length,
     z, mtp_kv = model.mtp_hidden(mtp_tokens, prev, positions, fields["mtp_kv"])
     z_last = jax.lax.dynamic_index_in_dim(z, length, axis=1, keepdims=False)
     draft = greedy_tokens(model.mtp_logits(z_last))
-    start = jnp.zeros((1,), jnp.int32)
-    fields.update(
-        mtp_kv=mtp_kv,
-        history_tokens=write_rows(fields["history_tokens"], mtp_tokens, start),
-        history_hidden=write_rows(fields["history_hidden"], prev, start))
+    fields["mtp_kv"] = mtp_kv
   return DecodeState(kv=[], **fields, pos=length[None], current=first, draft=draft,
                      h_prev=last, keys=keys, temperature=temperature, top_k=top_k, top_p=top_p)
 
@@ -363,12 +359,6 @@ def verify_tokens(model, state: DecodeState, hidden) -> tuple[jax.Array, jax.Arr
   return token_a, token_b, hidden
 
 
-def _record_rows(state: DecodeState, start, rows, hidden) -> DecodeState:
-  """Write MTP inputs (tokens [B, T], trunk hiddens [B, T, D]) for rows start .. start + T."""
-  return state.replace(history_tokens=write_rows(state.history_tokens, rows, start),
-                       history_hidden=write_rows(state.history_hidden, hidden, start))
-
-
 def draft_commit(model, state: DecodeState, verified, active,
                  drafting=None) -> tuple[DecodeState, jax.Array]:
   """MTP pass over the two new rows, then commit one or two tokens per slot.
@@ -389,7 +379,7 @@ def draft_commit(model, state: DecodeState, verified, active,
   step = jnp.where(accept, 2, 1)
   result = jnp.stack([token_a, token_b, step, accept.astype(jnp.int32)], axis=1)
   keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
-  state = _record_rows(state, state.pos + 1, rows, hidden).replace(
+  state = state.replace(
       mtp_kv=mtp_kv,
       pos=keep(state.pos + step, state.pos),
       current=keep(jnp.where(accept, token_b, token_a), state.current),
@@ -401,10 +391,17 @@ def draft_commit(model, state: DecodeState, verified, active,
 def plain_commit(model, state: DecodeState, hidden, active) -> tuple[DecodeState, jax.Array]:
   """Commit one sampled token per slot without the MTP block: the new row's MTP inputs
   (token, h_pos) go to the history and the slot's MTP KV falls one more row behind.
-  The draft is left as it was (a stale draft is only ever rejected)."""
+  The draft is left as it was (a stale draft is only ever rejected).
+
+  Only these steps write the history: the rows a catch-up reads are exactly the rows committed
+  by plain steps since the slot was last caught up.
+  """
   committed, result = decode_commit(model, state, hidden, active)
-  committed = _record_rows(committed, state.pos + 1, committed.current[:, None], hidden)
-  return committed.replace(mtp_lag=jnp.where(active, state.mtp_lag + 1, state.mtp_lag)), result
+  start = state.pos + 1
+  return committed.replace(
+      history_tokens=write_rows(state.history_tokens, committed.current[:, None], start),
+      history_hidden=write_rows(state.history_hidden, hidden, start),
+      mtp_lag=jnp.where(active, state.mtp_lag + 1, state.mtp_lag)), result
 
 
 def catch_up_commit(model, state: DecodeState, active) -> DecodeState:
