@@ -192,7 +192,7 @@ class SlotScheduler:
     live = self.slots[index]
     self.slots[index] = None
     c = live.counts
-    if self.native_mtp and live.drafting and self.batch_paused_steps == 0:
+    if self.native_mtp and self._drafts(live):
       c["drafted"] += 1             # the last draft, dropped unverified
     stats = MtpStats.from_counts(
         native_mtp=self.native_mtp, drafted=c["drafted"], accepted=c["accepted"],
@@ -211,8 +211,7 @@ class SlotScheduler:
     if not active.any():
       return
     self.occupancy_samples.append(float(active.mean()))
-    drafting = np.array([s is not None and s.drafting and self.batch_paused_steps == 0
-                         for s in self.slots])
+    drafting = np.array([s is not None and self._drafts(s) for s in self.slots])
     started = time.perf_counter()
     if self.native_mtp:
       self.state, result, timing = self.engine.step(self.state, active, drafting)
@@ -233,6 +232,10 @@ class SlotScheduler:
     if self.native_mtp:   # the step's wall time, with the host's per-step work
       self.cost.observe_step(bool(drafting.any()), time.perf_counter() - started)
       self._price_drafting(bool(drafting.any()))
+
+  def _drafts(self, live: _Live) -> bool:
+    """Whether a slot uses its draft at the next step (neither it nor the batch is paused)."""
+    return live.drafting and self.batch_paused_steps == 0
 
   def _price_drafting(self, drafted: bool) -> None:
     """The batch-level cost policy of `AdaptiveDrafting` (see there)."""
