@@ -353,10 +353,15 @@ def decode_commit(model, state: DecodeState, hidden, active) -> tuple[DecodeStat
 def verify_tokens(model, state: DecodeState, hidden) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Sample the target's tokens at both verify positions; (token_a, token_b, hidden)."""
   logits = model.lm_logits(hidden)                                       # [B, 2, V]
-  sampler = (state.temperature, state.top_k, state.top_p)
-  token_a = sample(logits[:, 0], state.keys, state.pos + 1, *sampler)
-  token_b = sample(logits[:, 1], state.keys, state.pos + 2, *sampler)
-  return token_a, token_b, hidden
+  batch, rows, vocab = logits.shape
+  # Both positions in one `sample` call: one greedy-or-sampled branch per step (a GPU reads a
+  # conditional's predicate back on the host).
+  per_row = lambda a: jnp.repeat(a, rows, axis=0)
+  positions = state.pos[:, None] + jnp.arange(1, rows + 1, dtype=jnp.int32)[None]
+  tokens = sample(logits.reshape(batch * rows, vocab), per_row(state.keys),
+                  positions.reshape(-1), per_row(state.temperature), per_row(state.top_k),
+                  per_row(state.top_p)).reshape(batch, rows)
+  return tokens[:, 0], tokens[:, 1], hidden
 
 
 def draft_commit(model, state: DecodeState, verified, active,
