@@ -78,12 +78,20 @@ class FixtureTest(parameterized.TestCase):
     self.assertEqual(result.stats.drafted, 32 if strategy != "disabled" else 0)
 
   def test_adaptive_drafting_pauses_a_rejected_head_and_keeps_tokens(self):
-    """The fixture's random head is always rejected: after one window the slot stops drafting."""
+    """The fixture's random head is always rejected: each window of drafts is followed by a
+    pause of `cooldown` steps, doubled after every failing window."""
     result = self.model.generate(self.ref["prompt_ids"], max_new_tokens=32,
                                  speculative="native-mtp-n1")
     self.assertEqual(result.tokens, self.ref["greedy_ids"].tolist())
-    window = AdaptiveDrafting().window
-    self.assertEqual(result.stats.verifications, window)
+    policy = AdaptiveDrafting()
+    step, pause, expected = 0, policy.cooldown, 0
+    while step < 31:                       # the steps after the prefill's pass
+      drafts = min(policy.window, 31 - step)
+      expected += drafts
+      step += drafts + pause
+      pause = min(2 * pause, policy.cooldown * policy.max_backoff)
+    self.assertEqual(expected, 2 * policy.window)   # window, pause, window, longer pause
+    self.assertEqual(result.stats.verifications, expected)
     self.assertEqual(result.stats.pending, 0)
     self.assertEqual(result.stats.target_passes, 32)
 

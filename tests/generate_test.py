@@ -15,6 +15,8 @@ from absl.testing import absltest, parameterized
 
 import mtpjax
 from mtpjax import errors
+from mtpjax.engine.decode import warm_up
+from mtpjax.engine import generate
 from mtpjax.engine.generate import AdaptiveDrafting, DraftingCost, Request, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.telemetry import MtpStats
@@ -235,6 +237,57 @@ class StopAndBudgetTest(parameterized.TestCase):
     self.assertEqual(ctx.exception.field, "max_new_tokens")
 
 
+class SlotPauseTest(absltest.TestCase):
+  """Per-slot pauses: free drafts while another slot drafts, and the backoff of a poor slot."""
+
+  def test_a_paused_slot_verifies_while_another_slot_drafts(self):
+    rng = np.random.default_rng(9)
+    requests = [Request(prompt=rng.integers(0, 502, size=5).astype(np.int32), max_new_tokens=24)
+                for _ in range(2)]
+    scheduler = SlotScheduler(engine(True, slots=2), adaptive=AdaptiveDrafting(cost_aware=False))
+    done = {}
+    for i, request in enumerate(requests):
+      scheduler.submit(request, lambda r, i=i: done.__setitem__(i, r))
+    scheduler.step()                                  # admit both, one drafting step
+    first, second = scheduler.slots
+    drafted = lambda: (first.counts["drafted"], second.counts["drafted"])
+    passes = first.counts["target_passes"]
+    first.paused_steps = 2
+    before = drafted()
+    scheduler.step()                                  # slot 1 drafts: slot 0's draft is free
+    self.assertEqual(drafted(), (before[0] + 1, before[1] + 1))
+    self.assertEqual(first.paused_steps, 1)
+    second.paused_steps = 2
+    before = drafted()
+    scheduler.step()                                  # both paused: a plain step
+    self.assertEqual(drafted(), before)
+    self.assertEqual(first.counts["target_passes"], passes + 2)
+    self.assertEqual((first.paused_steps, second.paused_steps), (0, 1))
+    while scheduler.busy:
+      scheduler.step()
+    reference = [r.tokens for r in serve(False, requests, slots=2)[0]]
+    self.assertEqual([done[0].tokens, done[1].tokens], reference)
+
+  def test_a_failing_slot_backs_off_and_a_passing_window_resets_it(self):
+    policy = AdaptiveDrafting(window=2, min_accept_rate=0.5, cooldown=3, max_backoff=4,
+                              cost_aware=False)
+    scheduler = SlotScheduler(engine(True), adaptive=policy)
+    live = generate._Live(request=Request(prompt=np.ones(1, np.int32), max_new_tokens=1),
+                          done=lambda r: None, started=0.0)
+    pauses = []
+    outcomes = [False] * 8 + [True, True, False, False]
+    for accepted in outcomes:
+      scheduler._account_draft(live, True, accepted, {})
+      if not live.drafting:
+        pauses.append(live.paused_steps)
+        while not live.drafting:     # rejected drafts verified while paused do not count
+          scheduler._account_draft(live, True, False, {})
+    # 3, doubled up to cooldown x max_backoff = 12; after the passing window [T, T] the
+    # window [T, F] still passes, [F, F] fails and pauses for 3 again.
+    self.assertEqual(pauses, [3, 6, 12, 12, 3])
+    self.assertEqual(live.counts["drafted"], len(outcomes) + sum(pauses))
+
+
 class SlowStepEngine:
   """The real engine on a device where one kind of step costs `delay` seconds more: drafting
   steps (as on a compute-bound device, where verifying two rows costs two steps) or plain ones
@@ -269,8 +322,10 @@ class CostAwareDraftingTest(parameterized.TestCase):
     cls.requests = [Request(prompt=rng.integers(0, 502, size=6).astype(np.int32),
                             max_new_tokens=48) for _ in range(2)]
     cls.reference = [r.tokens for r in serve(False, cls.requests, slots=2)[0]]
+    warm_up(engine(True, slots=2))   # no compile among the timed steps the policy prices
 
-  POLICY = AdaptiveDrafting(window=4, probe_steps=2, cooldown=32)
+  # Three plain samples: the price drops the slowest, so one host hiccup cannot flip it.
+  POLICY = AdaptiveDrafting(window=4, probe_steps=3, cooldown=32)
 
   def run_on(self, slow_drafting: bool):
     scheduler = SlotScheduler(SlowStepEngine(engine(True, slots=2), slow_drafting=slow_drafting),
@@ -292,6 +347,18 @@ class CostAwareDraftingTest(parameterized.TestCase):
     # Only the probe's plain steps (per request) go without drafting.
     self.assertGreaterEqual(stats.verifications, stats.target_passes
                             - len(self.requests) * (1 + self.POLICY.probe_steps))
+
+  def test_prices_carry_over_to_the_next_scheduler(self):
+    slow_plain = SlowStepEngine(engine(True, slots=2), slow_drafting=False)
+    first = SlotScheduler(slow_plain, adaptive=self.POLICY)
+    first.run(self.requests)
+    second = SlotScheduler(slow_plain, adaptive=self.POLICY)
+    self.assertIs(second.cost, first.cost)
+    stats = MtpStats.total(r.stats for r in second.run(self.requests))
+    # Already priced: no probe, every step after each prefill drafts.
+    self.assertEqual(stats.verifications, stats.target_passes - len(self.requests))
+    other = SlotScheduler(SlowStepEngine(engine(True, slots=2), slow_drafting=False))
+    self.assertIsNot(other.cost, first.cost)     # prices belong to one engine
 
   def test_modes(self):
     self.assertIsNone(AdaptiveDrafting.from_mode("off"))

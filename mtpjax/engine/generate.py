@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+import weakref
 from typing import Callable, Iterable
 
 import numpy as np
@@ -46,18 +47,24 @@ class AdaptiveDrafting:
   """When to draft, so that MTP on is not slower than MTP off.
 
   Per slot: after `window` verified drafts with an accept rate below `min_accept_rate`, the
-  slot commits plain target tokens for `cooldown` steps, then drafts again.
+  slot stops asking for drafting steps for `cooldown` steps, doubling (up to `max_backoff`
+  times) while its windows keep failing: a short dip costs a few drafts, a slot whose drafts
+  stay poor soon pauses for long. A drafting step computes both rows and the MTP block for
+  every slot, so it costs the same whichever slots use their drafts: while any live slot
+  drafts, every live slot verifies its draft (a paused one too), and only when every slot is
+  paused does the batch take a plain step.
   Per batch (`cost_aware`): drafting pays when (1 + accept rate) tokens per drafting step beat
   one token per plain step in wall time. The scheduler times both kinds of steps (a few plain
-  steps are sampled first); when drafting does not pay, every slot pauses for `cooldown`
-  steps, doubling (up to `max_backoff` times) while it keeps not paying. A step in which no
-  slot drafts costs what a step with MTP off costs (no MTP block, see `Engine.step`).
+  steps are sampled first, once per engine: the prices carry over to later schedulers of the
+  same engine); when drafting does not pay, every slot pauses the same way, for `cooldown`
+  steps doubling up to `max_backoff` times while it keeps not paying. A step in which no slot
+  drafts costs what a step with MTP off costs (no MTP block, see `Engine.step`).
   """
   window: int = 8
   min_accept_rate: float = 0.3
-  cooldown: int = 32
+  cooldown: int = 8
   cost_aware: bool = True
-  max_backoff: int = 8
+  max_backoff: int = 16
   probe_steps: int = 4          # plain steps sampled to price a step without drafting
 
   MODES = ("cost", "accept_rate", "off")
@@ -83,6 +90,15 @@ class DraftingCost:
                     False: collections.deque(maxlen=self.SAMPLES)}
     self.accepted = collections.deque(maxlen=4 * self.SAMPLES)
 
+  @classmethod
+  def of(cls, engine) -> "DraftingCost":
+    """The prices observed on `engine` so far: step costs belong to the engine, so a new
+    scheduler (one per `generate` call) does not pay for probing plain steps again."""
+    cost = _ENGINE_COSTS.get(engine)
+    if cost is None:
+      cost = _ENGINE_COSTS[engine] = cls()
+    return cost
+
   def observe_step(self, drafting: bool, seconds: float) -> None:
     self.seconds[drafting].append(seconds)
 
@@ -101,6 +117,9 @@ class DraftingCost:
     return (1.0 + rate) * plain >= fused
 
 
+_ENGINE_COSTS: "weakref.WeakKeyDictionary[object, DraftingCost]" = weakref.WeakKeyDictionary()
+
+
 @dataclasses.dataclass
 class _Live:
   request: Request
@@ -111,6 +130,7 @@ class _Live:
   first_token_s: float = 0.0
   recent: collections.deque = dataclasses.field(default_factory=collections.deque)
   paused_steps: int = 0           # steps left without drafting
+  backoff: int = 1                # the next pause is cooldown x backoff steps
 
   @property
   def drafting(self) -> bool:
@@ -123,7 +143,7 @@ class SlotScheduler:
   def __init__(self, engine: Engine, adaptive: AdaptiveDrafting | None = AdaptiveDrafting()):
     self.engine = engine
     self.adaptive = adaptive
-    self.cost = DraftingCost()
+    self.cost = DraftingCost.of(engine)
     self.batch_paused_steps = 0     # steps left in which no slot drafts (cost policy)
     self._backoff = 1
     self._drafting_steps = 0        # drafting steps since the last cost verdict
@@ -211,7 +231,8 @@ class SlotScheduler:
     if not active.any():
       return
     self.occupancy_samples.append(float(active.mean()))
-    drafting = np.array([s is not None and self._drafts(s) for s in self.slots])
+    # One drafting slot makes this a drafting step, and then every live slot's draft is free.
+    drafting = active & any(s is not None and self._drafts(s) for s in self.slots)
     started = time.perf_counter()
     if self.native_mtp:
       self.state, result, timing = self.engine.step(self.state, active, drafting)
@@ -257,27 +278,35 @@ class SlotScheduler:
       self.batch_paused_steps = policy.cooldown * self._backoff
       self._backoff = min(2 * self._backoff, policy.max_backoff)
 
-  def _account_draft(self, live: _Live, drafted: bool, accepted: bool, timing: dict) -> None:
-    """Count a verified draft and apply the adaptive policy to the slot."""
+  def _account_draft(self, live: _Live, verified: bool, accepted: bool, timing: dict) -> None:
+    """Count a verified draft and apply the adaptive policy to the slot. A paused slot's
+    pause counts down every step; drafts it verified meanwhile count in the statistics but
+    not towards its own accept-rate window."""
     c = live.counts
     c["proposal_us"] += timing.get("proposal_compute_us", 0)
     c["verification_us"] += timing.get("verification_compute_us", 0)
-    if not drafted:
-      live.paused_steps = max(0, live.paused_steps - 1)
+    paused = not live.drafting
+    if paused:
+      live.paused_steps -= 1
+    if not verified:
       return
     c["drafted"] += 1
     c["accepted" if accepted else "rejected"] += 1
     self.cost.observe_draft(accepted)
     policy = self.adaptive
-    if policy is None:
+    if policy is None or paused:
       return
     live.recent.append(accepted)
     if len(live.recent) > policy.window:
       live.recent.popleft()
-    if (len(live.recent) == policy.window
-        and sum(live.recent) < policy.min_accept_rate * policy.window):
-      live.paused_steps = policy.cooldown
-      live.recent.clear()
+    if len(live.recent) < policy.window:
+      return
+    if sum(live.recent) >= policy.min_accept_rate * policy.window:
+      live.backoff = 1
+      return
+    live.paused_steps = policy.cooldown * live.backoff
+    live.backoff = min(2 * live.backoff, policy.max_backoff)
+    live.recent.clear()
 
   def run(self, requests: Iterable[Request]) -> list[Result]:
     """Generate every request to completion; results in request order."""
