@@ -352,6 +352,7 @@ class CostAwareDraftingTest(parameterized.TestCase):
     slow_plain = SlowStepEngine(engine(True, slots=2), slow_drafting=False)
     first = SlotScheduler(slow_plain, adaptive=self.POLICY)
     first.run(self.requests)
+    self.assertLen(first.cost.catch_up_pass, 1)   # the one resume, after the probe
     second = SlotScheduler(slow_plain, adaptive=self.POLICY)
     self.assertIs(second.cost, first.cost)
     stats = MtpStats.total(r.stats for r in second.run(self.requests))
@@ -376,15 +377,34 @@ class CostAwareDraftingTest(parameterized.TestCase):
     self.assertFalse(cost.priced(5))
     cost.observe_draft(True)
     cost.observe_draft(False)
-    self.assertFalse(cost.drafting_pays())     # (1 + 0.5) x 1.0 s < 2.0 s
+    self.assertFalse(cost.drafting_pays(8))     # (1 + 0.5) x 1.0 s < 2.0 s
     cost.observe_draft(True)
     cost.observe_draft(True)
-    self.assertFalse(cost.drafting_pays())     # (1 + 0.75) x 1.0 s < 2.0 s
+    self.assertFalse(cost.drafting_pays(8))     # (1 + 0.75) x 1.0 s < 2.0 s
     for _ in range(61):
       cost.observe_draft(True)                 # the window keeps the last 64 drafts
-    self.assertFalse(cost.drafting_pays())     # (1 + 63/64) x 1.0 s < 2.0 s
+    self.assertFalse(cost.drafting_pays(8))     # (1 + 63/64) x 1.0 s < 2.0 s
     cost.observe_draft(True)                   # the rejected draft leaves the window
-    self.assertTrue(cost.drafting_pays())      # (1 + 1) x 1.0 s >= 2.0 s
+    self.assertTrue(cost.drafting_pays(8))      # (1 + 1) x 1.0 s >= 2.0 s
+
+  def test_the_catch_up_is_charged_to_paused_steps(self):
+    cost = DraftingCost()
+    for _ in range(4):
+      cost.observe_step(True, 1.5)
+      cost.observe_step(False, 1.0)
+    for accepted in (True, False, False, False):
+      cost.observe_draft(accepted)
+    self.assertFalse(cost.drafting_pays(8))    # (1 + 0.25) x 1.0 s < 1.5 s
+    cost.observe_step(True, 1.5 + 2.4, caught_up_rows=8)   # resumed after 8 paused steps
+    self.assertLen(cost.seconds[True], 4)      # not a drafting step's price
+    self.assertAlmostEqual(cost.catch_up_pass[0], 2.4)     # 8 rows: one pass
+    self.assertTrue(cost.drafting_pays(8))     # (1 + 0.25) x (1.0 + 2.4 / 8) s >= 1.5 s
+    # A 64-step pause needs 4 passes of 16 rows: (1 + 0.25) x (1.0 + 4 x 2.4 / 64) s < 1.5 s
+    self.assertFalse(cost.drafting_pays(64))
+    cost.observe_step(True, 1.5 + 2.4, caught_up_rows=32)  # two passes
+    self.assertAlmostEqual(cost.catch_up_pass[-1], 1.2)
+    cost.observe_step(True, 1.0, caught_up_rows=4)         # faster than a drafting step
+    self.assertEqual(cost.catch_up_pass[-1], 0.0)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from mtpjax import errors
-from mtpjax.engine.decode import ACCEPTED, COUNT, TOKEN_A, TOKEN_B, Engine
+from mtpjax.engine.decode import ACCEPTED, CATCH_UP_ROWS, COUNT, TOKEN_A, TOKEN_B, Engine
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.telemetry import MtpStats
 
@@ -54,7 +54,8 @@ class AdaptiveDrafting:
   drafts, every live slot verifies its draft (a paused one too), and only when every slot is
   paused does the batch take a plain step.
   Per batch (`cost_aware`): drafting pays when (1 + accept rate) tokens per drafting step beat
-  one token per plain step in wall time. The scheduler times both kinds of steps (a few plain
+  one token per plain step in wall time, the plain steps of a pause being charged the catch-up
+  passes that resuming after them runs. The scheduler times both kinds of steps (a few plain
   steps are sampled first, once per engine: the prices carry over to later schedulers of the
   same engine); when drafting does not pay, every slot pauses the same way, for `cooldown`
   steps doubling up to `max_backoff` times while it keeps not paying. A step in which no slot
@@ -81,13 +82,15 @@ class AdaptiveDrafting:
 
 
 class DraftingCost:
-  """Recent wall time of drafting and plain steps, and the accept rate of recent drafts."""
+  """Recent wall time of drafting and plain steps, of a catch-up pass when drafting resumes,
+  and the accept rate of recent drafts."""
 
   SAMPLES = 16
 
   def __init__(self):
     self.seconds = {True: collections.deque(maxlen=self.SAMPLES),
                     False: collections.deque(maxlen=self.SAMPLES)}
+    self.catch_up_pass = collections.deque(maxlen=self.SAMPLES)
     self.accepted = collections.deque(maxlen=4 * self.SAMPLES)
 
   @classmethod
@@ -99,8 +102,14 @@ class DraftingCost:
       cost = _ENGINE_COSTS[engine] = cls()
     return cost
 
-  def observe_step(self, drafting: bool, seconds: float) -> None:
-    self.seconds[drafting].append(seconds)
+  def observe_step(self, drafting: bool, seconds: float, caught_up_rows: int = 0) -> None:
+    """A drafting step that first caught up `caught_up_rows` paused rows prices a catch-up
+    pass (its time beyond a drafting step's price, per pass) instead of the drafting step."""
+    if not (drafting and caught_up_rows):
+      self.seconds[drafting].append(seconds)
+    elif len(self.seconds[True]) >= 2:
+      extra = seconds - self._price(True)
+      self.catch_up_pass.append(max(extra, 0.0) / -(-caught_up_rows // CATCH_UP_ROWS))
 
   def observe_draft(self, accepted: bool) -> None:
     self.accepted.append(accepted)
@@ -109,12 +118,18 @@ class DraftingCost:
     """Both kinds of steps have at least `steps` timings."""
     return min(len(self.seconds[True]), len(self.seconds[False])) >= steps
 
-  def drafting_pays(self) -> bool:
-    """Tokens per second with drafting >= without (both must be priced). Each kind is priced
-    by the median of its recent steps without the slowest one (a compile, a host hiccup)."""
+  def _price(self, drafting: bool) -> float:
+    """The median of recent steps of one kind without the slowest (a compile, a hiccup)."""
+    return float(np.median(sorted(self.seconds[drafting])[:-1]))
+
+  def drafting_pays(self, pause_steps: int) -> bool:
+    """Tokens per second with drafting >= without (both must be priced), over a pause of
+    `pause_steps` plain steps and the catch-up passes that resuming after them runs."""
     rate = float(np.mean(self.accepted)) if self.accepted else 0.0
-    fused, plain = (float(np.median(sorted(self.seconds[k])[:-1])) for k in (True, False))
-    return (1.0 + rate) * plain >= fused
+    passes = -(-pause_steps // CATCH_UP_ROWS)
+    catch_up = passes * float(np.median(self.catch_up_pass)) if self.catch_up_pass else 0.0
+    paused = self._price(False) + catch_up / pause_steps
+    return (1.0 + rate) * paused >= self._price(True)
 
 
 _ENGINE_COSTS: "weakref.WeakKeyDictionary[object, DraftingCost]" = weakref.WeakKeyDictionary()
@@ -147,6 +162,7 @@ class SlotScheduler:
     self.batch_paused_steps = 0     # steps left in which no slot drafts (cost policy)
     self._backoff = 1
     self._drafting_steps = 0        # drafting steps since the last cost verdict
+    self._plain_steps = 0           # plain steps since the last drafting step (rows to catch up)
     self.state = engine.init_state()
     self.slots: list[_Live | None] = [None] * engine.engine_cfg.slots
     self.waiting: collections.deque[tuple[Request, Callable[[Result], None]]] = (
@@ -251,8 +267,11 @@ class SlotScheduler:
       tokens = [int(row[TOKEN_A])] + ([int(row[TOKEN_B])] if count == 2 else [])
       self._emit(index, tokens)
     if self.native_mtp:   # the step's wall time, with the host's per-step work
-      self.cost.observe_step(bool(drafting.any()), time.perf_counter() - started)
-      self._price_drafting(bool(drafting.any()))
+      drafted = bool(drafting.any())
+      self.cost.observe_step(drafted, time.perf_counter() - started,
+                             caught_up_rows=self._plain_steps if drafted else 0)
+      self._plain_steps = 0 if drafted else self._plain_steps + 1
+      self._price_drafting(drafted)
 
   def _drafts(self, live: _Live) -> bool:
     """Whether a slot uses its draft at the next step (neither it nor the batch is paused)."""
@@ -272,7 +291,7 @@ class SlotScheduler:
     self._drafting_steps = 0
     if not self.cost.priced(policy.probe_steps):
       self.batch_paused_steps = policy.probe_steps
-    elif self.cost.drafting_pays():
+    elif self.cost.drafting_pays(policy.cooldown * self._backoff):
       self._backoff = 1
     else:
       self.batch_paused_steps = policy.cooldown * self._backoff
