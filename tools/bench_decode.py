@@ -3,22 +3,21 @@
 Both engines are compiled and run once over the prompts in a warm-up first (so that the
 drafting policy has priced its steps, as in a long-running server), then the measured passes
 alternate (off, on, off, on, ...) so that drift of the machine (clocks, other load) hits both
-modes alike. Draft and
-verify times come from a separate pass with `engine.timing` on, because timing needs a device
-sync after each half of the step and would slow the measured passes down.
+modes alike.
 
   python -m tools.bench_decode --source=/path/to/model.gguf --new_tokens=64 --prompts=8
   python -m tools.bench_decode --mtp_copies_trunk     # a generated tiny model (high acceptance)
   python -m tools.bench_decode --source=mtpjax/assets/glm-demo --slots=1,8
 
-The ideal speedup of one draft token is (1 + accept rate) / (1 + c_draft), where c_draft is what
-drafting adds to a step: the wall time of a step that verifies and drafts (MTP on, every step
-drafting) over that of a plain MTP-off step, minus one. `achieved_fraction` is the measured
-speedup of always drafting over that ideal (what is lost to prefill and to the passes that
-commit a request's last token). `draft_ms_per_step` / `verify_ms_per_step` split a step in a
-separate pass with a device sync between the halves, so they include one more dispatch. MTP on runs with the default adaptive drafting (what `generate` and the
-server use, which pauses drafting where it does not pay); `*_always_drafting` is MTP on with
-every step drafting, the raw cost of the verify + draft step.
+MTP on runs with the default adaptive drafting (what `generate` and the server use, which
+pauses drafting where it does not pay); `*_always_drafting` is MTP on with every step drafting,
+the raw cost of the verify + draft step. The ideal speedup of one draft token is
+(1 + accept rate) / (1 + c_draft), where c_draft is what drafting adds to a step: the wall time
+of a verify + draft step (always drafting) over that of a plain MTP-off step, minus one.
+`achieved_fraction` is the measured speedup of always drafting over that ideal (the rest is
+lost to prefill and to the passes that commit a request's last token). `draft_ms_per_step` and
+`verify_ms_per_step` come from a separate pass with `engine.timing` on, which syncs the device
+between the two halves of a step, so they include one more dispatch.
 """
 
 from __future__ import annotations
