@@ -280,6 +280,8 @@ class MtpEngineTest(parameterized.TestCase):
       traces = dict(engine.trace_counts)
       catch_ups = traces.get("catch_up", 0)
       state, result, _ = engine.step(state, active, np.asarray(drafting))
+      # The engine's host copy of the lag (no read-back before a catch-up) is the device's.
+      np.testing.assert_array_equal(engine._known_lag(state), np.asarray(state.mtp_lag))
       if not any(drafting):
         self.assertEqual(engine.trace_counts.get("verify_draft"), traces.get("verify_draft"))
         self.assertEqual(np.asarray(state.mtp_lag).tolist(), [step + 1] * 2)
@@ -307,6 +309,23 @@ class MtpEngineTest(parameterized.TestCase):
     state = engine.catch_up(state, active)
     self.assertEqual(np.asarray(state.mtp_lag).tolist(), [0, 0])
     for slot in range(2):
+      self.check_state_against_scratch(state, slot, list(self.prompts[slot]) + emitted[slot])
+
+  def test_a_state_the_engine_did_not_return_last_reads_its_lag_from_the_device(self):
+    engine = self.on
+    state, emitted = self.prefill_both(engine)
+    active = np.ones(2, bool)
+    for _ in range(3):
+      state, result, _ = engine.step(state, active, np.zeros(2, bool))
+      for slot in range(2):
+        emitted[slot].append(int(result[slot][TOKEN_A]))
+    engine.init_state()                  # the host copy now belongs to another state
+    self.assertIsNone(engine._known_lag(state))
+    state, result, _ = engine.step(state, active, np.ones(2, bool))   # catches 3 rows up first
+    self.assertEqual(np.asarray(state.mtp_lag).tolist(), [0, 0])
+    for slot in range(2):
+      row = result[slot]
+      emitted[slot] += [int(row[TOKEN_A])] + ([int(row[TOKEN_B])] if row[COUNT] == 2 else [])
       self.check_state_against_scratch(state, slot, list(self.prompts[slot]) + emitted[slot])
 
   def test_prefill_state_matches_scratch(self):

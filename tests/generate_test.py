@@ -265,6 +265,9 @@ class SlotPauseTest(absltest.TestCase):
     self.assertEqual((first.paused_steps, second.paused_steps), (0, 1))
     while scheduler.busy:
       scheduler.step()
+      # The engine keeps the scheduler's lag on the host: no read-back before drafting.
+      np.testing.assert_array_equal(scheduler.engine._known_lag(scheduler.state),
+                                    np.asarray(scheduler.state.mtp_lag))
     reference = [r.tokens for r in serve(False, requests, slots=2)[0]]
     self.assertEqual([done[0].tokens, done[1].tokens], reference)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import weakref
 from typing import Callable
 
 import flax.struct
@@ -156,6 +157,10 @@ class Engine:
     self.engine_cfg = engine_cfg
     self.dtype = dtype
     self.trace_counts: dict[str, int] = {}
+    # The host's copy of `mtp_lag` for the last state this engine returned (by identity), so a
+    # drafting step need not read the lag back from the device before it catches up.
+    self._lag_state: weakref.ref | None = None
+    self._lag: np.ndarray | None = None
     self._prefill = jax.jit(self._counted("prefill", self._prefill_fn))
     self._insert = jax.jit(self._counted("insert", self._insert_fn), donate_argnames=("state",))
     if engine_cfg.native_mtp:
@@ -180,13 +185,26 @@ class Engine:
   def init_state(self) -> DecodeState:
     cfg, ec = self.cfg, self.engine_cfg
     b = ec.slots
-    return DecodeState(
+    return self._with_lag(np.zeros((b,), np.int32), DecodeState(
         kv=init_kv(cfg, cfg.n_layers, b, ec.cache_len, self.dtype),
         **mtp_fields(cfg, ec, b, self.dtype, np.zeros), pos=jnp.zeros((b,), jnp.int32),
         current=jnp.zeros((b,), jnp.int32),
         draft=jnp.zeros((b,), jnp.int32), h_prev=jnp.zeros((b, cfg.hidden), self.dtype),
         keys=jnp.zeros((b, 2), jnp.uint32), temperature=jnp.zeros((b,), jnp.float32),
-        top_k=jnp.zeros((b,), jnp.int32), top_p=jnp.ones((b,), jnp.float32))
+        top_k=jnp.zeros((b,), jnp.int32), top_p=jnp.ones((b,), jnp.float32)))
+
+  def _with_lag(self, lag: np.ndarray | None, state: DecodeState) -> DecodeState:
+    """Remember `lag` (None: unknown) as the host's copy of `state.mtp_lag`."""
+    if self.engine_cfg.native_mtp:
+      self._lag_state = weakref.ref(state) if lag is not None else None
+      self._lag = lag
+    return state
+
+  def _known_lag(self, state: DecodeState) -> np.ndarray | None:
+    """The host's copy of `state.mtp_lag`, if `state` is the last state this engine returned."""
+    if self._lag_state is not None and self._lag_state() is state:
+      return self._lag
+    return None
 
   # --- prefill ------------------------------------------------------------------------------
 
@@ -207,7 +225,11 @@ class Engine:
     return prefix.replace(kv=kv)
 
   def insert(self, prefix: DecodeState, state: DecodeState, slot: int) -> DecodeState:
-    return self._insert(prefix, state, np.int32(slot))
+    lag = self._known_lag(state)
+    if lag is not None:
+      lag = lag.copy()
+      lag[slot] = 0          # a prefilled prompt's MTP KV is complete
+    return self._with_lag(lag, self._insert(prefix, state, np.int32(slot)))
 
   @staticmethod
   def _insert_fn(prefix: DecodeState, state: DecodeState, slot) -> DecodeState:
@@ -233,12 +255,14 @@ class Engine:
       return state, np.asarray(result), {}
     drafting = np.ones(active.shape, bool) if drafting is None else np.asarray(drafting, bool)
     if not (drafting[active].any() if active.any() else drafting.any()):
+      lag = self._known_lag(state)
       state, result = self._plain(self._leaves, state, active)
-      return state, np.asarray(result), {}
+      return self._with_lag(None if lag is None else lag + active, state), np.asarray(result), {}
     state = self.catch_up(state, active)
+    lag = self._known_lag(state)       # a drafting step leaves the lag as it is
     if not self.engine_cfg.timing:
       state, result = self._fused(self._leaves, state, active, drafting)
-      return state, np.asarray(result), {}
+      return self._with_lag(lag, state), np.asarray(result), {}
     start = time.perf_counter()
     state, verified = self._verify(self._leaves, state, active)
     jax.block_until_ready(verified)
@@ -246,16 +270,21 @@ class Engine:
     state, result = self._draft(self._leaves, state, verified, active, drafting)
     result = np.asarray(result)
     end = time.perf_counter()
-    return state, result, {"verification_compute_us": int((mid - start) * 1e6),
-                           "proposal_compute_us": int((end - mid) * 1e6)}
+    return self._with_lag(lag, state), result, {
+        "verification_compute_us": int((mid - start) * 1e6),
+        "proposal_compute_us": int((end - mid) * 1e6)}
 
   def catch_up(self, state: DecodeState, active) -> DecodeState:
     """Bring every active slot's MTP KV (and draft) up to its position after paused steps."""
     live = np.asarray(active, bool)
-    lag = int(np.asarray(state.mtp_lag)[live].max()) if live.any() else 0
-    for _ in range(-(-lag // CATCH_UP_ROWS)):
+    lag = self._known_lag(state)
+    if lag is None:
+      lag = np.asarray(state.mtp_lag)
+    passes = -(-int(lag[live].max()) // CATCH_UP_ROWS) if live.any() else 0
+    for _ in range(passes):
       state = self._catch_up(self._leaves, state, live)
-    return state
+    caught_up = np.where(live, np.maximum(lag - passes * CATCH_UP_ROWS, 0), lag)
+    return self._with_lag(caught_up.astype(np.int32), state)
 
   def _decode_fn(self, leaves, state: DecodeState, active):
     model = self._model(leaves)
