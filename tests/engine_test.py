@@ -298,14 +298,19 @@ class MtpEngineTest(parameterized.TestCase):
     for slot in range(2):
       self.assertEqual(emitted[slot], self.reference[slot][:len(emitted[slot])])
 
-  def test_catch_up_restores_the_draft_and_mtp_rows(self):
-    engine = self.on
+  def paused_steps(self, engine, steps: int):
+    """Both prompts prefilled, then `steps` steps without drafting: (state, tokens per slot)."""
     state, emitted = self.prefill_both(engine)
-    active = np.ones(2, bool)
-    for _ in range(5):
-      state, result, _ = engine.step(state, active, np.zeros(2, bool))
+    for _ in range(steps):
+      state, result, _ = engine.step(state, np.ones(2, bool), np.zeros(2, bool))
       for slot in range(2):
         emitted[slot].append(int(result[slot][TOKEN_A]))
+    return state, emitted
+
+  def test_catch_up_restores_the_draft_and_mtp_rows(self):
+    engine = self.on
+    state, emitted = self.paused_steps(engine, 5)
+    active = np.ones(2, bool)
     state = engine.catch_up(state, active)
     self.assertEqual(np.asarray(state.mtp_lag).tolist(), [0, 0])
     for slot in range(2):
@@ -313,12 +318,8 @@ class MtpEngineTest(parameterized.TestCase):
 
   def test_a_state_the_engine_did_not_return_last_reads_its_lag_from_the_device(self):
     engine = self.on
-    state, emitted = self.prefill_both(engine)
+    state, emitted = self.paused_steps(engine, 3)
     active = np.ones(2, bool)
-    for _ in range(3):
-      state, result, _ = engine.step(state, active, np.zeros(2, bool))
-      for slot in range(2):
-        emitted[slot].append(int(result[slot][TOKEN_A]))
     engine.init_state()                  # the host copy now belongs to another state
     self.assertIsNone(engine._known_lag(state))
     state, result, _ = engine.step(state, active, np.ones(2, bool))   # catches 3 rows up first
