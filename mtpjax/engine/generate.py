@@ -80,6 +80,11 @@ class AdaptiveDrafting:
           remedy=f"choose one of {', '.join(cls.MODES)}")
     return None if mode == "off" else cls(cost_aware=mode == "cost")
 
+  def pause(self, backoff: int) -> tuple[int, int]:
+    """(steps of the pause due at `backoff`, the backoff after it): the same doubling rule for
+    a slot and for the batch."""
+    return self.cooldown * backoff, min(2 * backoff, self.max_backoff)
+
 
 class DraftingCost:
   """Recent wall time of drafting and plain steps, of a catch-up pass when drafting resumes,
@@ -291,11 +296,10 @@ class SlotScheduler:
     self._drafting_steps = 0
     if not self.cost.priced(policy.probe_steps):
       self.batch_paused_steps = policy.probe_steps
-    elif self.cost.drafting_pays(policy.cooldown * self._backoff):
+    elif self.cost.drafting_pays(policy.pause(self._backoff)[0]):
       self._backoff = 1
     else:
-      self.batch_paused_steps = policy.cooldown * self._backoff
-      self._backoff = min(2 * self._backoff, policy.max_backoff)
+      self.batch_paused_steps, self._backoff = policy.pause(self._backoff)
 
   def _account_draft(self, live: _Live, verified: bool, accepted: bool, timing: dict) -> None:
     """Count a verified draft and apply the adaptive policy to the slot. A paused slot's
@@ -323,8 +327,7 @@ class SlotScheduler:
     if sum(live.recent) >= policy.min_accept_rate * policy.window:
       live.backoff = 1
       return
-    live.paused_steps = policy.cooldown * live.backoff
-    live.backoff = min(2 * live.backoff, policy.max_backoff)
+    live.paused_steps, live.backoff = policy.pause(live.backoff)
     live.recent.clear()
 
   def run(self, requests: Iterable[Request]) -> list[Result]:

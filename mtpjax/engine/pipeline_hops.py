@@ -33,7 +33,6 @@ def owns(mesh: Mesh) -> bool:
 class LocalHops:
   """Single process: every stage is local and a hop is an asynchronous device-to-device copy."""
 
-
   def __init__(self, stage_meshes: list[Mesh]):
     self.shardings = [replicated(m) for m in stage_meshes]
 
@@ -51,7 +50,6 @@ class LocalHops:
 
 class CollectiveHops:
   """Several processes: hops are collectives over a ('stage',) mesh of one lead device per stage."""
-
 
   def __init__(self, stage_meshes: list[Mesh]):
     self.shardings = [replicated(m) for m in stage_meshes]
