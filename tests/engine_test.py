@@ -271,6 +271,7 @@ class MtpEngineTest(parameterized.TestCase):
     the next drafting step first catches the rows up, so drafting resumes with exactly the
     state a never-paused run has. 20 paused steps need two catch-up passes."""
     engine = self.on
+    warm_up(engine)      # every variant compiled, whichever tests ran before
     state, emitted = self.prefill_both(engine)
     active = np.ones(2, bool)
     paused = 20
