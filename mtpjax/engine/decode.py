@@ -276,8 +276,10 @@ class Engine:
 
   def catch_up(self, state: DecodeState, active) -> DecodeState:
     """Bring every active slot's MTP KV (and draft) up to its position after paused steps."""
-    live = np.asarray(active, bool)
     lag = self._known_lag(state)
+    if lag is not None and not lag.any():
+      return state          # the common case while drafting: no host work beyond this check
+    live = np.asarray(active, bool)
     if lag is None:
       lag = np.asarray(state.mtp_lag)
     passes = -(-int(lag[live].max()) // CATCH_UP_ROWS) if live.any() else 0

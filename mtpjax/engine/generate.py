@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import statistics
 import time
 import weakref
 from typing import Callable, Iterable
@@ -124,15 +125,18 @@ class DraftingCost:
     return min(len(self.seconds[True]), len(self.seconds[False])) >= steps
 
   def _price(self, drafting: bool) -> float:
-    """The median of recent steps of one kind without the slowest (a compile, a hiccup)."""
-    return float(np.median(sorted(self.seconds[drafting])[:-1]))
+    """The median of recent steps of one kind without the slowest (a compile, a hiccup).
+
+    Plain Python: these run on the host between steps, where numpy's per-call overhead on a
+    16-element deque costs more than the arithmetic."""
+    return statistics.median(sorted(self.seconds[drafting])[:-1])
 
   def drafting_pays(self, pause_steps: int) -> bool:
     """Tokens per second with drafting >= without (both must be priced), over a pause of
     `pause_steps` plain steps and the catch-up passes that resuming after them runs."""
-    rate = float(np.mean(self.accepted)) if self.accepted else 0.0
+    rate = sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
     passes = -(-pause_steps // CATCH_UP_ROWS)
-    catch_up = passes * float(np.median(self.catch_up_pass)) if self.catch_up_pass else 0.0
+    catch_up = passes * statistics.median(self.catch_up_pass) if self.catch_up_pass else 0.0
     paused = self._price(False) + catch_up / pause_steps
     return (1.0 + rate) * paused >= self._price(True)
 
@@ -248,31 +252,32 @@ class SlotScheduler:
   def step(self) -> None:
     """Admit waiting requests, then advance every live slot by one engine step."""
     self._admit()
-    active = np.array([s is not None for s in self.slots])
-    if not active.any():
+    # The host's work between steps is plain Python on lists: on a fast accelerator it is part
+    # of every step's wall time, and numpy's per-call overhead on [B]-sized arrays dominates it.
+    live_slots = [s is not None for s in self.slots]
+    if not any(live_slots):
       return
-    self.occupancy_samples.append(float(active.mean()))
+    self.occupancy_samples.append(sum(live_slots) / len(live_slots))
+    active = np.array(live_slots)
     # One drafting slot makes this a drafting step, and then every live slot's draft is free.
-    drafting = active & any(s is not None and self._drafts(s) for s in self.slots)
+    drafted = self.native_mtp and any(s is not None and self._drafts(s) for s in self.slots)
     started = time.perf_counter()
     if self.native_mtp:
-      self.state, result, timing = self.engine.step(self.state, active, drafting)
+      self.state, result, timing = self.engine.step(
+          self.state, active, active if drafted else np.zeros_like(active))
     else:
       self.state, result, timing = self.engine.step(self.state, active)
-    for index, live in enumerate(self.slots):
+    for index, (live, row) in enumerate(zip(self.slots, result.tolist())):
       if live is None:
         continue
-      row = result[index]
-      count = int(row[COUNT])
+      count = row[COUNT]
       c = live.counts
       c["target_passes"] += 1
       c["committed_tokens"] += count
       if self.native_mtp:
-        self._account_draft(live, drafting[index], bool(row[ACCEPTED]), timing)
-      tokens = [int(row[TOKEN_A])] + ([int(row[TOKEN_B])] if count == 2 else [])
-      self._emit(index, tokens)
+        self._account_draft(live, drafted, bool(row[ACCEPTED]), timing)
+      self._emit(index, [row[TOKEN_A], row[TOKEN_B]] if count == 2 else [row[TOKEN_A]])
     if self.native_mtp:   # the step's wall time, with the host's per-step work
-      drafted = bool(drafting.any())
       self.cost.observe_step(drafted, time.perf_counter() - started,
                              caught_up_rows=self._plain_steps if drafted else 0)
       self._plain_steps = 0 if drafted else self._plain_steps + 1
@@ -306,8 +311,9 @@ class SlotScheduler:
     pause counts down every step; drafts it verified meanwhile count in the statistics but
     not towards its own accept-rate window."""
     c = live.counts
-    c["proposal_us"] += timing.get("proposal_compute_us", 0)
-    c["verification_us"] += timing.get("verification_compute_us", 0)
+    if timing:
+      c["proposal_us"] += timing["proposal_compute_us"]
+      c["verification_us"] += timing["verification_compute_us"]
     paused = not live.drafting
     if paused:
       live.paused_steps -= 1
