@@ -17,7 +17,9 @@ of a verify + draft step (always drafting) over that of a plain MTP-off step, mi
 `achieved_fraction` is the measured speedup of always drafting over that ideal (the rest is
 lost to prefill and to the passes that commit a request's last token). `draft_ms_per_step` and
 `verify_ms_per_step` come from a separate pass with `engine.timing` on, which syncs the device
-between the two halves of a step, so they include one more dispatch.
+between the two halves of a step, so they include one more dispatch. `weights_mb_per_step` is
+what each kind of step reads from the weights; where steps are bound by memory bandwidth (a
+CPU host), `bandwidth_bound_speedup` (tokens per target pass x their ratio) is the ceiling.
 """
 
 from __future__ import annotations
@@ -109,6 +111,37 @@ def _step_ms(results: list[Result]) -> float:
   return 1e3 * float(np.mean(steps)) if steps else 0.0
 
 
+def weight_mb_per_step(params, cfg, slots: int = 1) -> dict[str, float]:
+  """Weights read by a plain step and by a verify + draft step over `slots` slots, in MB.
+
+  Routed experts count as min(E, rows x experts_used) of E (an upper bound: rows may share
+  experts); embedding tables are gathered by row and not counted, unless one is the
+  (tied) head. On a host bound by memory bandwidth (a CPU) the ratio of the two bounds what
+  drafting can gain: about tokens_per_target_pass / ratio.
+  """
+  sizes = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    name = "/".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in path)
+    sizes[name] = leaf.size * leaf.dtype.itemsize
+
+  def read(prefix: str, rows: int, skip: tuple[str, ...] = ()) -> float:
+    total = 0.0
+    for name, size in sizes.items():
+      if not name.startswith(prefix) or name.startswith(skip):
+        continue
+      if "_exps/" in name:
+        size *= min(cfg.n_experts, rows * cfg.n_experts_used) / cfg.n_experts
+      total += size
+    return total
+
+  head = read("head/", 1) or read("embed/", 1)          # a tied head is the embedding table
+  trunk = lambda rows: read("layers/", rows) + read("output_norm/", rows)
+  plain = trunk(slots) + head
+  mtp_head = read("mtp/head/", 1) or head               # else the NextN block uses the trunk's
+  draft = read("mtp/", 2 * slots, skip=("mtp/embed/", "mtp/head/")) + mtp_head
+  return {"plain": plain / 1e6, "verify_draft": (trunk(2 * slots) + head + draft) / 1e6}
+
+
 def _latency_ms(results: list[Result]) -> dict:
   """Mean time to first token and mean time per later token, in milliseconds."""
   ttft = [r.time_to_first_token_s for r in results]
@@ -188,6 +221,7 @@ def _measure(model, source: str, load_s: float, slots: int) -> dict:
   step_ms = {mode: _step_ms(last[mode]) for mode in ("off", "always")}
   c_draft = step_ms["always"] / step_ms["off"] - 1.0 if step_ms["off"] else 0.0
   ideal = (1.0 + stats.accept_rate) / (1.0 + c_draft)
+  weights_mb = weight_mb_per_step(engines["on"].params, model.config, slots)
   device = jax.devices()[0]
   line = {
       "flags": {flag.name: flag.value for flag in _REPORTED_FLAGS},
@@ -210,6 +244,9 @@ def _measure(model, source: str, load_s: float, slots: int) -> dict:
       "achieved_fraction": (rate["always"] / rate["off"]) / ideal,
       "step_ms_off": step_ms["off"],
       "step_ms_always_drafting": step_ms["always"],
+      "weights_mb_per_step": weights_mb,
+      "bandwidth_bound_speedup": stats.tokens_per_target_pass * weights_mb["plain"]
+                                 / weights_mb["verify_draft"],
       "draft_ms_per_step": timing.proposal_compute_us / per_step,
       "verify_ms_per_step": timing.verification_compute_us / per_step,
       "latency_off": _latency_ms(last["off"]),
@@ -220,7 +257,6 @@ def _measure(model, source: str, load_s: float, slots: int) -> dict:
       "native_mtp": timing.as_dict(),   # the timing pass: same counters, durations filled
   }
   return line
-
 
 
 if __name__ == "__main__":
