@@ -1,12 +1,12 @@
-"""`tools/bench_decode.weight_mb_per_step` against a count by hand from the model's dimensions."""
+"""`weight_mb_per_step` against a count by hand from the model's dimensions."""
 
 import tempfile
 
 from absl.testing import absltest, parameterized
 
 import mtpjax
+from mtpjax.models.traffic import weight_mb_per_step
 from mtpjax.testing.tiny_glm import TinyGlmSpec, write_tiny_glm_gguf
-from tools.bench_decode import weight_mb_per_step
 
 
 def hand_count(spec: TinyGlmSpec, slots: int) -> dict[str, float]:
