@@ -7,7 +7,7 @@ against `GlmModel`'s parameter names: `layers/`, `output_norm/`, `head/`, `embed
 
 from __future__ import annotations
 
-import jax
+from flax import nnx
 
 from mtpjax.models.config import ModelConfig
 
@@ -20,24 +20,23 @@ def weight_mb_per_step(params, cfg: ModelConfig, slots: int = 1) -> dict[str, fl
   (tied) head. On a host bound by memory bandwidth (a CPU) the ratio of the two bounds what
   drafting can gain: about tokens_per_target_pass / ratio.
   """
-  sizes = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    name = "/".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in path)
-    sizes[name] = leaf.size * leaf.dtype.itemsize
+  # Parameter paths as the loader writes them, e.g. ('layers', 1, 'ffn', 'gate_exps').
+  sizes = {path: leaf[...].nbytes for path, leaf in nnx.to_flat_state(params)}
 
-  def read(prefix: str, rows: int, skip: tuple[str, ...] = ()) -> float:
+  def read(part: str, rows: int, skip: tuple[str, ...] = ()) -> float:
+    """Bytes of the parameters under `part` (minus its `skip` children) that `rows` rows read."""
     total = 0.0
-    for name, size in sizes.items():
-      if not name.startswith(prefix) or name.startswith(skip):
+    for path, size in sizes.items():
+      if path[0] != part or (len(path) > 1 and path[1] in skip):
         continue
-      if "_exps/" in name:
+      if str(path[-1]).endswith("_exps"):
         size *= min(cfg.n_experts, rows * cfg.n_experts_used) / cfg.n_experts
       total += size
     return total
 
-  head = read("head/", 1) or read("embed/", 1)          # a tied head is the embedding table
-  trunk = lambda rows: read("layers/", rows) + read("output_norm/", rows)
+  head = sizes.get(("head",)) or sizes[("embed",)]      # a tied head is the embedding table
+  mtp_head = sizes.get(("mtp", "head")) or head          # else the NextN block uses the trunk's
+  trunk = lambda rows: read("layers", rows) + read("output_norm", rows)
   plain = trunk(slots) + head
-  mtp_head = read("mtp/head/", 1) or head               # else the NextN block uses the trunk's
-  draft = read("mtp/", 2 * slots, skip=("mtp/embed/", "mtp/head/")) + mtp_head
+  draft = read("mtp", 2 * slots, skip=("embed", "head")) + mtp_head
   return {"plain": plain / 1e6, "verify_draft": (trunk(2 * slots) + head + draft) / 1e6}
