@@ -91,8 +91,7 @@ def _prompts(model) -> list[np.ndarray]:
           for _ in range(_PROMPTS.value)]
 
 
-def _timed_run(engine, requests: list[Request],
-               adaptive: AdaptiveDrafting | None = AdaptiveDrafting()
+def _timed_run(engine, requests: list[Request], adaptive: AdaptiveDrafting | None
                ) -> tuple[list[Result], float]:
   start = time.perf_counter()
   results = SlotScheduler(engine, adaptive=adaptive).run(requests)

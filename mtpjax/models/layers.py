@@ -104,8 +104,10 @@ def causal_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   speculative decoding. q: [B, T, H, hd]; k_cache: [B, Hkv, S, hd]; v_cache: [B, Hkv, vd, S].
   With these layouts XLA:CPU reads both caches in place; with any other (e.g. [B, S, Hkv, d]
   or values [B, Hkv, S, vd]) it transposes, i.e. copies, every layer's whole cache at every
-  step. Known gap: with one slot XLA:CPU still copies the caches (it duplicates the row write
-  for this read); reading the cache before the write avoids that but costs more at 8 slots.
+  step. Known gap: with one slot the batch dimension is degenerate, the dot reads the cache
+  through a bitcast, and XLA:CPU's fusion duplicates the row write into it, so each cache is
+  copied (4x a step; an optimization barrier does not stop it). Reading the cache before the
+  write avoids that but costs more at 8 slots and adds kernels on a GPU.
   Returns [B, T, H, vd].
   """
   b, t, h, hd = q.shape
