@@ -6,6 +6,7 @@ committed sequence with a fresh cache) and from-scratch MTP passes (`model.mtp_h
 """
 
 import functools
+import re
 import tempfile
 from pathlib import Path
 
@@ -356,6 +357,21 @@ class MtpEngineTest(parameterized.TestCase):
                        {"prefill": 2, "insert": 1, step: 1} | {
                            k: 1 for k in ("plain", "catch_up") if k in engine.trace_counts},
                        f"round {round_}")
+
+  @parameterized.parameters((False, "_decode"), (True, "_plain"), (True, "_fused"))
+  def test_one_slot_steps_write_their_caches_in_place(self, native_mtp, step):
+    """No compiled step copies a whole KV cache. With one slot XLA:CPU used to copy every
+    cache four times per decode or plain step (see `layers.write_head_rows`)."""
+    engine = self.model.engine(native_mtp=native_mtp, slots=1, max_len=self.MAX_LEN,
+                               prefill_buckets=(16,))
+    state = engine.init_state()
+    active = np.ones(1, bool)
+    args = (engine._leaves, state, active) + ((active,) if step == "_fused" else ())
+    hlo = getattr(engine, step).lower(*args).compile().as_text()
+    copied = {tuple(int(d) for d in dims.split(",") if d)
+              for dims in re.findall(r"= \w+\[([\d,]*)\]\S* copy\(", hlo)}
+    caches = jax.tree.leaves((state.kv, state.mtp_kv))
+    self.assertFalse(copied & {tuple(c.shape) for c in caches}, f"cache copies in {step}")
 
   def test_donation_deletes_the_input_state(self):
     engine = self.on
