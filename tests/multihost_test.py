@@ -32,10 +32,13 @@ WORKER = textwrap.dedent("""
     loaded = [w is not None for w in model.weights(with_mtp=True)]
     on = model.generate({prompt}, max_new_tokens=10, speculative="native-mtp-n1")
     off = model.generate({prompt}, max_new_tokens=10, speculative="disabled")
+    # Long enough for the drafting policy to probe plain steps, then catch up and draft again.
+    paused = model.generate({prompt}, max_new_tokens=40, speculative="native-mtp-n1")
     logits = model.logits({prompt})
     print("RESULT " + json.dumps(dict(
         process=jax.process_index(), devices=len(jax.devices()), owned=owned, loaded=loaded,
-        on=on.tokens, off=off.tokens, accepted=on.stats.accepted,
+        on=on.tokens, off=off.tokens, accepted=on.stats.accepted, paused=paused.tokens,
+        plain_passes=paused.stats.target_passes - paused.stats.verifications,
         logits_argmax=np.argmax(logits, -1).tolist(), logits_sum=float(np.abs(logits).sum()))))
 """).format(prompt=PROMPT)
 
@@ -98,8 +101,11 @@ class MultiHostTest(absltest.TestCase):
     off = model.generate(PROMPT, max_new_tokens=10, speculative="disabled")
     self.assertEqual(off.tokens, on.tokens)           # MTP is lossless under greedy decoding
     self.assertGreater(on.stats.accepted, 0)
+    longer = model.generate(PROMPT, max_new_tokens=40, speculative="disabled")
     logits = model.logits(PROMPT)
     for result in self.results:
+      self.assertEqual(result["paused"], longer.tokens)
+      self.assertGreater(result["plain_passes"], 1)      # the prefill, then the probe's steps
       self.assertEqual(result["on"], on.tokens)
       self.assertEqual(result["off"], off.tokens)
       self.assertEqual(result["accepted"], on.stats.accepted)

@@ -21,6 +21,7 @@ import numpy as np
 import mtpjax
 from configs import glm as glm_config
 from mtpjax import errors
+from mtpjax.engine import decode
 from mtpjax.engine.generate import Request, SlotScheduler
 from mtpjax.engine.pipeline_model import load_pipelined
 from mtpjax.engine.sampling import SamplerParams
@@ -40,9 +41,14 @@ def gguf_path() -> str:
 
 
 @functools.cache
+def single_device():
+  return mtpjax.load(gguf_path())
+
+
+@functools.cache
 def reference():
   """Single-device results every pipeline must reproduce."""
-  model = mtpjax.load(gguf_path())
+  model = single_device()
   return dict(
       logits=model.logits(PROMPT), hidden=model.hidden(PROMPT),
       mtp_logits=model.mtp_logits(PROMPT),
@@ -116,6 +122,45 @@ class _PipelineCase:
     self.assertGreater(on.stats.accepted, 0)
     self.assertFalse(off.stats.native_mtp)
 
+  def test_paused_drafting_takes_plain_steps_and_catches_up(self):
+    """Drafting, a pause longer than one catch-up pass, drafting again: every step, the
+    drafts and the MTP cache rows the catch-up wrote equal the single-device engine's (whose
+    paused steps engine_test checks against from-scratch passes)."""
+    kwargs = dict(native_mtp=True, slots=2, max_len=64, prefill_buckets=(16,))
+    engines = [self.model.engine(**kwargs), single_device().engine(**kwargs)]
+    states = []
+    for engine in engines:
+      state = engine.init_state()
+      for slot, prompt in enumerate((PROMPT, PROMPT[2:])):
+        state = engine.insert(engine.prefill(np.asarray(prompt), SamplerParams()), state, slot)
+      states.append(state)
+    active = np.ones(2, bool)
+    pause = decode.CATCH_UP_ROWS + 4            # two catch-up passes before drafting resumes
+    schedule = [True] * 3 + [False] * pause + [True] * 4
+    for i, drafting in enumerate(schedule):
+      results = []
+      for e, engine in enumerate(engines):
+        states[e], result, _ = engine.step(states[e], active, np.full(2, drafting))
+        results.append(result)
+      np.testing.assert_array_equal(results[0], results[1], err_msg=f"step {i}")
+      if not drafting:
+        self.assertEqual(results[0][:, decode.ACCEPTED].sum(), 0)
+    self.assertFalse(any(lag.any() for lag in states[0].mtp_lag))   # all caught up
+    # The MTP KV rows the catch-up wrote (a head that copies the trunk drafts the same tokens
+    # without them, so the tokens alone would not show a missing pass).
+    control = jax.tree.map(lambda *groups: np.concatenate(groups),
+                           *[group.control for group in states[0].groups])
+    single = states[1]
+    np.testing.assert_array_equal(control.pos, single.pos)
+    np.testing.assert_array_equal(control.draft, single.draft)
+    for slot, pos in enumerate(np.asarray(single.pos)):
+      for axis, (piped, alone) in zip((1, 2), zip(control.mtp_kv, single.mtp_kv)):
+        rows = lambda cache: np.take(np.asarray(cache)[slot], np.arange(pos + 1), axis=axis)
+        np.testing.assert_allclose(rows(piped), rows(alone), atol=1e-5, err_msg=f"slot {slot}")
+    self.assertGreater(results[0][:, decode.ACCEPTED].sum(), 0)   # the caught-up head drafts
+    counts = engines[0].trace_counts
+    self.assertEqual((counts["plain"], counts["catch_up"]), (len(self.model.plan.ranges), 1))
+
   def test_each_device_holds_only_its_stage(self):
     for mtp in (True, False):
       per_device = device_bytes(self.model.weights(with_mtp=mtp))
@@ -155,13 +200,15 @@ class TwoStagesTest(_PipelineCase, absltest.TestCase):
                       self.ref["short"].tokens])
 
   def test_steps_update_the_stage_caches_in_place(self):
-    """The step donates each stage's KV cache, as the single-device engine donates its state."""
+    """Drafting and plain steps donate each stage's KV cache and the last stage's MTP cache and
+    history, as the single-device engine donates its state."""
     engine = self.model.engine(native_mtp=True, slots=4, max_len=128)
     state = engine.init_state()
-    before = [jax.tree.leaves(kv) for kv in state.groups[0].kv]
-    state, _, _ = engine.step(state, np.zeros(4, bool))
-    for stage_leaves in before:
-      self.assertTrue(all(leaf.is_deleted() for leaf in stage_leaves))
+    for drafting in (True, False):
+      control = state.groups[0].control
+      before = jax.tree.leaves([state.groups[0].kv, control.mtp_kv, control.history_hidden])
+      state, _, _ = engine.step(state, np.zeros(4, bool), np.full(4, drafting))
+      self.assertTrue(all(leaf.is_deleted() for leaf in before), f"drafting {drafting}")
 
 
 class FourStagesTest(_PipelineCase, absltest.TestCase):

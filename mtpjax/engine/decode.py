@@ -282,11 +282,10 @@ class Engine:
     live = np.asarray(active, bool)
     if lag is None:
       lag = np.asarray(state.mtp_lag)
-    passes = -(-int(lag[live].max()) // CATCH_UP_ROWS) if live.any() else 0
+    passes, caught_up = catch_up_passes(lag, live)
     for _ in range(passes):
       state = self._catch_up(self._leaves, state, live)
-    caught_up = np.where(live, np.maximum(lag - passes * CATCH_UP_ROWS, 0), lag)
-    return self._with_lag(caught_up.astype(np.int32), state)
+    return self._with_lag(caught_up, state)
 
   def _decode_fn(self, leaves, state: DecodeState, active):
     model = self._model(leaves)
@@ -438,6 +437,13 @@ def plain_commit(model, state: DecodeState, hidden, active) -> tuple[DecodeState
       history_tokens=write_rows(state.history_tokens, committed.current[:, None], start),
       history_hidden=write_rows(state.history_hidden, hidden, start),
       mtp_lag=jnp.where(active, state.mtp_lag + 1, state.mtp_lag)), result
+
+
+def catch_up_passes(lag: np.ndarray, live: np.ndarray) -> tuple[int, np.ndarray]:
+  """(catch-up passes that bring every live slot's MTP KV up to date, the lag after them):
+  the host's side of `catch_up_commit`, so no engine reads the lag back from the device."""
+  passes = -(-int(lag[live].max()) // CATCH_UP_ROWS) if live.any() else 0
+  return passes, np.where(live, np.maximum(lag - passes * CATCH_UP_ROWS, 0), lag).astype(np.int32)
 
 
 def catch_up_commit(model, state: DecodeState, active) -> DecodeState:

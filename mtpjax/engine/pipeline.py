@@ -7,7 +7,9 @@ last stage that holds only the NextN block runs just those. Each stage is jitted
 sub-mesh; activations hop stage to stage (`pipeline_hops.py`), with the glm-dsa row selection
 when the next stage starts on a layer that reuses it (`StageLayout.takes_selection`). Slots
 are split into microbatches, and JAX's asynchronous dispatch lets stage s work on one group
-while s + 1 works on the previous one.
+while s + 1 works on the previous one. With native MTP, a step in which no slot drafts is a
+plain one-row step without the NextN block, and the last stage catches its MTP cache up before
+drafting resumes, as in the single-device engine.
 """
 
 from __future__ import annotations
@@ -98,7 +100,11 @@ class GroupState:
 
 @dataclasses.dataclass
 class PipelineState:
+  """The groups, and (native MTP) the host's copy of each group's `mtp_lag`: every process
+  runs the same schedule, so each one knows how many catch-up passes the last stage needs
+  without reading the lag back from it."""
   groups: list[GroupState]
+  mtp_lag: list[np.ndarray] | None = None
 
 
 @dataclasses.dataclass
@@ -140,10 +146,16 @@ class PipelinedEngine:
     self.trace_counts: dict[str, int] = {}
     self._prefill = [jax.jit(self._counted("prefill", functools.partial(self._prefill_fn, s)))
                      for s in range(len(layouts))]
-    # The caches are donated (updated in place); the small control state is not, because the
-    # step's input tokens are views of it on a single-stage pipeline.
-    self._step = [jax.jit(self._counted("step", functools.partial(self._step_fn, s)),
-                          donate_argnames=("kv",)) for s in range(len(layouts))]
+    # The caches and the last stage's control state (with MTP: its cache and history) are
+    # donated, i.e. updated in place.
+    donated = ("kv", "control")
+    self._step = [jax.jit(self._counted("step", functools.partial(self._step_fn, s, False)),
+                          donate_argnames=donated) for s in range(len(layouts))]
+    if engine_cfg.native_mtp:   # steps in which no slot drafts, and the catch-up before drafting
+      self._plain = [jax.jit(self._counted("plain", functools.partial(self._step_fn, s, True)),
+                             donate_argnames=donated) for s in range(len(layouts))]
+      self._catch_up = jax.jit(self._counted("catch_up", self._catch_up_fn),
+                               donate_argnames=("control",))
     self._insert = jax.jit(self._counted("insert", Engine._insert_fn), donate_argnames=("state",))
 
   def _counted(self, name: str, fn):
@@ -188,7 +200,8 @@ class PipelinedEngine:
             temperature=np.zeros((b,), np.float32), top_k=np.zeros((b,), np.int32),
             top_p=np.ones((b,), np.float32)), self.hops.shardings[self.last])
       groups.append(GroupState(kv=kv, control=control))
-    return PipelineState(groups)
+    lag = ([np.zeros(hi - lo, np.int32) for lo, hi in self.bounds] if ec.native_mtp else None)
+    return PipelineState(groups, lag)
 
   # --- prefill ------------------------------------------------------------------------------
 
@@ -238,17 +251,25 @@ class PipelinedEngine:
         group.kv[s] = self._insert(prefix.kv[s], group.kv[s], local_slot)
     if self.hops.local(self.last):
       group.control = self._insert(prefix.control, group.control, local_slot)
+    if state.mtp_lag is not None:
+      state.mtp_lag[g][local_slot] = 0      # a prefilled prompt's MTP KV is complete
     return state
 
   # --- steps --------------------------------------------------------------------------------
 
-  def _step_fn(self, s: int, params, inp, kv, control, active, drafting):
-    """Stage `s` of one decode/verify step for one group; the last stage commits tokens."""
+  def _step_fn(self, s: int, plain: bool, params, inp, kv, control, active, drafting):
+    """Stage `s` of one decode/verify step for one group; the last stage commits tokens.
+
+    A `plain` step (native MTP, no slot drafting) decodes one position per slot, as MTP off
+    does, and the last stage records the row's MTP inputs instead of running the NextN block
+    (`decode.plain_commit`)."""
     model = nnx.merge(self.graphdefs[s], params)
     layout = self.layouts[s]
-    mtp = self.engine_cfg.native_mtp
+    verify = self.engine_cfg.native_mtp and not plain
     if layout.embeddings:
-      tokens, positions = decode.step_inputs(*inp, native_mtp=mtp)
+      # A single stage reads (current, draft, pos) from the control state it donates.
+      current = (control.current, control.draft, control.pos) if layout.output else inp
+      tokens, positions = decode.step_inputs(*current, native_mtp=verify)
       x, selection = model.embed_tokens(tokens), None
     else:
       x, positions, selection = inp
@@ -256,12 +277,30 @@ class PipelinedEngine:
     if not layout.output:
       return (x, positions, selection if self._hands_selection(s) else None), kv
     hidden = model.final_norm(x)
-    if mtp:
+    if verify:
       verified = decode.verify_tokens(model, control, hidden)
       control, result = decode.draft_commit(model, control, verified, active, drafting)
+    elif plain:
+      control, result = decode.plain_commit(model, control, hidden, active)
     else:
       control, result = decode.decode_commit(model, control, hidden, active)
     return (control, result), kv
+
+  def _catch_up_fn(self, params, control, active):
+    return decode.catch_up_commit(nnx.merge(self.graphdefs[self.last], params), control, active)
+
+  def catch_up(self, state: PipelineState, active) -> PipelineState:
+    """Bring every active slot's MTP KV (and draft) up to its position after plain steps: the
+    NextN block sits on the last stage, so only that stage's process runs the passes."""
+    active = np.asarray(active, bool)
+    for g, ((lo, hi), group) in enumerate(zip(self.bounds, state.groups)):
+      live = active[lo:hi]
+      passes, state.mtp_lag[g] = decode.catch_up_passes(state.mtp_lag[g], live)
+      if passes and self.hops.local(self.last):
+        act = jax.device_put(live, self.hops.shardings[self.last])
+        for _ in range(passes):
+          group.control = self._catch_up(self.params[self.last], group.control, act)
+    return state
 
   def step(self, state: PipelineState, active: np.ndarray, drafting: np.ndarray | None = None
            ) -> tuple[PipelineState, np.ndarray, dict]:
@@ -271,13 +310,20 @@ class PipelinedEngine:
     """
     active = np.asarray(active, bool)
     drafting = np.ones_like(active) if drafting is None else np.asarray(drafting, bool)
-    width = 2 if self.engine_cfg.native_mtp else 1
+    mtp = self.engine_cfg.native_mtp
+    plain = mtp and not (drafting[active].any() if active.any() else drafting.any())
+    if mtp and not plain:
+      state = self.catch_up(state, active)
+    steps = self._plain if plain else self._step
+    width = 2 if mtp and not plain else 1
     results = []
     for (lo, hi), group in zip(self.bounds, state.groups):
       b = hi - lo
       c = group.control
-      out = None if c is None else (c.current, c.draft, c.pos)
-      out = self.hops.move(out, self.last, 0, like=(_ints(b),) * 3)
+      out = None
+      if self.last > 0:   # stage 0 embeds the last stage's tokens
+        out = self.hops.move(None if c is None else (c.current, c.draft, c.pos), self.last, 0,
+                             like=(_ints(b),) * 3)
       for s in range(len(self.layouts)):
         if s > 0:
           out = self.hops.move(out, s - 1, s, like=self._width(b, width) + (
@@ -285,13 +331,15 @@ class PipelinedEngine:
         if not self.hops.local(s):
           continue
         if s < self.last:
-          out, group.kv[s] = self._step[s](self.params[s], out, group.kv[s], None, None, None)
+          out, group.kv[s] = steps[s](self.params[s], out, group.kv[s], None, None, None)
         else:
           act = jax.device_put(active[lo:hi], self.hops.shardings[s])
           draft_mask = jax.device_put(drafting[lo:hi], self.hops.shardings[s])
-          (group.control, result), group.kv[s] = self._step[s](
+          (group.control, result), group.kv[s] = steps[s](
               self.params[s], out, group.kv[s], group.control, act, draft_mask)
           results.append(result)
+    if plain:
+      state.mtp_lag = [lag + active[lo:hi] for lag, (lo, hi) in zip(state.mtp_lag, self.bounds)]
     shared = [self.hops.share(results[i] if results else None, self.last, like=_ints(hi - lo, 4))
               for i, (lo, hi) in enumerate(self.bounds)]
     return state, np.concatenate([np.asarray(r) for r in shared]), {}
