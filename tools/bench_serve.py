@@ -6,6 +6,7 @@ server: seconds from launch to ready and to the first answer, single-stream and 
 tokens/s (medians over rounds) and the accept rate from /metrics.
 
   python -m tools.bench_serve --max_tokens=256 --rounds=3
+  python -m tools.bench_serve --server_flags=--config.engine.slots=1
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 256, "tokens per completion")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "measured rounds per server")
 _PROMPT = flags.DEFINE_string("prompt", "import os\nimport sys\n\n\ndef main():\n",
                               "the single-stream prompt")
+_SERVER_FLAGS = flags.DEFINE_list(
+    "server_flags", [], "flags for every server, e.g. --server_flags=--config.engine.slots=1 "
+    "(a step computes every slot, so one stream runs faster on fewer slots)")
 
 
 def completion_stream(url: str, model: str, prompt: str, max_tokens: int):
@@ -101,7 +105,7 @@ def measure(extra_flags: list[str]) -> dict:
 def main(argv):
   del argv
   for extra in ([], ["--config.defaults.speculative.strategy=disabled"], []):
-    print(json.dumps(measure(extra)), flush=True)
+    print(json.dumps(measure(_SERVER_FLAGS.value + extra)), flush=True)
 
 
 if __name__ == "__main__":
