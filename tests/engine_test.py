@@ -101,8 +101,9 @@ class FixtureTest(parameterized.TestCase):
     engine = self.model.engine(native_mtp=True, slots=3, max_len=64, prefill_buckets=(16, 32))
     warm_up(engine)
     traces = dict(engine.trace_counts)
-    self.assertEqual(traces, {"prefill": 2, "insert": 1, "verify_draft": 1, "plain": 1,
-                              "catch_up": 1})
+    self.assertEqual(engine.slot_buckets, (1, 2, 3))   # each step over 1, 2 or 3 slots
+    self.assertEqual(traces, {"prefill": 2, "insert": 1, "verify_draft": 3, "plain": 3,
+                              "catch_up": 3})
     prompts = [self.ref["prompt_ids"], np.arange(20, dtype=np.int32)]
     results = SlotScheduler(engine).run([Request(prompt=p, max_new_tokens=30) for p in prompts])
     self.assertLess(results[0].stats.verifications, 29)     # the random head got paused
@@ -352,17 +353,47 @@ class MtpEngineTest(parameterized.TestCase):
       results = SlotScheduler(engine).run(requests)
       self.assertEqual([len(r.tokens) for r in results], [5, 9, 4, 7, 6])
       step = "verify_draft" if native_mtp else "decode"
-      # Other tests of the class may have compiled the paused-drafting steps: once each too.
-      self.assertEqual(engine.trace_counts,
-                       {"prefill": 2, "insert": 1, step: 1} | {
-                           k: 1 for k in ("plain", "catch_up") if k in engine.trace_counts},
-                       f"round {round_}")
+      counts = dict(engine.trace_counts)
+      self.assertEqual((counts["prefill"], counts["insert"]), (2, 1), f"round {round_}")
+      # At most once per slot bucket; other tests of the class may have compiled the
+      # paused-drafting steps, once per bucket too.
+      for name in (step, "plain", "catch_up"):
+        self.assertLessEqual(counts.get(name, 0), len(engine.slot_buckets), name)
+      if round_:
+        self.assertEqual(counts, first_round)
+      first_round = counts
 
-  @parameterized.parameters((False, "_decode"), (True, "_plain"), (True, "_fused"))
-  def test_one_slot_steps_write_their_caches_in_place(self, native_mtp, step):
-    """No compiled step copies a whole KV cache. With one slot XLA:CPU used to copy every
-    cache four times per decode or plain step (see `layers.write_head_rows`)."""
-    engine = self.model.engine(native_mtp=native_mtp, slots=1, max_len=self.MAX_LEN,
+  def test_a_step_runs_over_the_first_slots_only(self):
+    """With only slot 0 active a step computes one slot of two (`Engine.slots_for`), and the
+    slot's state still matches from-scratch passes through drafting, paused and caught-up
+    steps; the result rows past the step's slots are zero."""
+    engine = self.on
+    warm_up(engine)
+    state = engine.init_state()
+    prefix = engine.prefill(self.prompts[0], SamplerParams())
+    state = engine.insert(prefix, state, 0)
+    emitted = [int(prefix.current[0])]
+    active = np.array([True, False])
+    self.assertEqual(engine.slots_for(active), 1)
+    self.assertEqual(engine.slots_for(np.array([False, True])), 2)
+    traces = dict(engine.trace_counts)
+    for drafting in [True] * 3 + [False] * 5 + [True] * 3:
+      state, result, _ = engine.step(state, active, np.full(2, drafting))
+      row = result[0]
+      emitted += [int(row[TOKEN_A])] + ([int(row[TOKEN_B])] if row[COUNT] == 2 else [])
+      np.testing.assert_array_equal(result[1], 0)
+      self.check_state_against_scratch(state, 0, list(self.prompts[0]) + emitted,
+                                       check_draft=drafting)
+    self.assertEqual(emitted, self.reference[0][:len(emitted)])
+    self.assertEqual(engine.trace_counts, traces)    # warm_up compiled the one-slot steps
+
+  @parameterized.parameters((False, "_decode", 1), (True, "_plain", 1), (True, "_fused", 1),
+                            (False, "_decode", 2), (True, "_fused", 2))
+  def test_one_slot_steps_write_their_caches_in_place(self, native_mtp, step, slots):
+    """No compiled one-slot step copies a whole KV cache, in a one-slot engine or over the
+    first of two slots. With one slot XLA:CPU used to copy every cache four times per decode
+    or plain step (see `layers.write_head_rows`)."""
+    engine = self.model.engine(native_mtp=native_mtp, slots=slots, max_len=self.MAX_LEN,
                                prefill_buckets=(16,))
     state = engine.init_state()
     active = np.ones(1, bool)

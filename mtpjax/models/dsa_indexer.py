@@ -19,7 +19,7 @@ from flax import nnx
 
 from mtpjax.models import yarn
 from mtpjax.models.config import ModelConfig
-from mtpjax.models.layers import _param, linear, linear_param, write_rows
+from mtpjax.models.layers import _param, linear, linear_param, live_slots, write_rows
 
 K_NORM_EPS = 1e-6   # HF's indexer LayerNorm eps; GGUF stores no key for it
 
@@ -86,5 +86,5 @@ class Indexer(nnx.Module):
     k = _rope_front(k[:, :, None], positions, cfg)
     key_cache = write_rows(key_cache, k, positions[:, 0])
     weights = linear(x, self.proj[...]).astype(jnp.float32) * cfg.indexer_heads ** -0.5
-    scores = index_scores(q, key_cache[:, :, 0], weights)
+    scores = index_scores(q, live_slots(key_cache, b)[:, :, 0], weights)
     return select_top_rows(scores, positions, cfg.indexer_topk), key_cache

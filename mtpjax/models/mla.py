@@ -21,7 +21,8 @@ from flax import nnx
 from mtpjax.models import yarn
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.dsa_indexer import Indexer
-from mtpjax.models.layers import RMSNorm, _param, linear, linear_param, write_rows
+from mtpjax.models.layers import (RMSNorm, _param, linear, linear_param, live_slots,
+                                  write_rows)
 
 
 def latent_attention(q_lat: jax.Array, q_pe: jax.Array, latent_cache: jax.Array,
@@ -99,7 +100,8 @@ class MlaAttention(nnx.Module):
     q_lat = jnp.einsum("bthn,hcn->bthc", q_nope.astype(jnp.float32),
                        self.wk_b[...].astype(jnp.float32))
     scale = yarn.score_scale(cfg)      # 1/sqrt(head_dim) times the YaRN mscale^2
-    out_lat = latent_attention(q_lat, q_pe, latent_cache, positions, scale, selection)
+    out_lat = latent_attention(q_lat, q_pe, live_slots(latent_cache, b), positions, scale,
+                               selection)
     out = jnp.einsum("bthc,hvc->bthv", out_lat, self.wv_b[...].astype(jnp.float32))
     out = out.reshape(b, t, cfg.n_heads * cfg.value_dim).astype(x.dtype)
     return linear(out, self.wo[...]), (latent_cache, index_cache), selection
