@@ -32,8 +32,7 @@ _ROUNDS = flags.DEFINE_integer("rounds", 3, "measured rounds per server")
 _PROMPT = flags.DEFINE_string("prompt", "import os\nimport sys\n\n\ndef main():\n",
                               "the single-stream prompt")
 _SERVER_FLAGS = flags.DEFINE_list(
-    "server_flags", [], "flags for every server, e.g. --server_flags=--config.engine.slots=1 "
-    "(a step computes every slot, so one stream runs faster on fewer slots)")
+    "server_flags", [], "flags for every server, e.g. --server_flags=--config.engine.slots=1")
 
 
 def completion_stream(url: str, model: str, prompt: str, max_tokens: int):

@@ -254,11 +254,11 @@ class SlotScheduler:
     self._admit()
     # The host's work between steps is plain Python on lists: on a fast accelerator it is part
     # of every step's wall time, and numpy's per-call overhead on [B]-sized arrays dominates it.
-    live_slots = [s is not None for s in self.slots]
-    if not any(live_slots):
+    occupied = [s is not None for s in self.slots]
+    if not any(occupied):
       return
-    self.occupancy_samples.append(sum(live_slots) / len(live_slots))
-    active = np.array(live_slots)
+    self.occupancy_samples.append(sum(occupied) / len(occupied))
+    active = np.array(occupied)
     # One drafting slot makes this a drafting step, and then every live slot's draft is free.
     drafted = self.native_mtp and any(s is not None and self._drafts(s) for s in self.slots)
     started = time.perf_counter()
