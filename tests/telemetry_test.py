@@ -6,8 +6,10 @@ import numpy as np
 from absl.testing import absltest
 from absl.testing import parameterized
 
+import draft_tracker
+from draft_tracker import DraftTracker
 from mtpjax import telemetry
-from mtpjax.telemetry import DraftTracker, MtpStats
+from mtpjax.telemetry import MtpStats
 
 STAT_KEYS = {"enabled", "drafted", "accepted", "rejected", "pending", "verifications",
              "accept_rate", "proposal_compute_us", "verification_compute_us", "target_passes",
@@ -18,7 +20,7 @@ class VerifyTest(absltest.TestCase):
 
   def test_accept_emits_both_target_tokens(self):
     # Verify pass over [current=10, draft=11]; the target's tokens are [11, 99].
-    self.assertEqual(telemetry.accept_draft(11, [11, 99]), (True, (11, 99)))
+    self.assertEqual(draft_tracker.accept_draft(11, [11, 99]), (True, (11, 99)))
     tracker = DraftTracker()
     tracker.record_draft(11)
     self.assertEqual(tracker.verify([11, 99]), (11, 99))
@@ -27,7 +29,7 @@ class VerifyTest(absltest.TestCase):
 
   def test_reject_emits_the_correction_only(self):
     # Verify pass over [current=10, draft=12] against target [11, 99].
-    self.assertEqual(telemetry.accept_draft(12, [11, 99]), (False, (11,)))
+    self.assertEqual(draft_tracker.accept_draft(12, [11, 99]), (False, (11,)))
     tracker = DraftTracker()
     tracker.record_draft(12)
     self.assertEqual(tracker.verify([11, 99]), (11,))
