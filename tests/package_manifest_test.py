@@ -9,7 +9,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from mtpjax import errors
-from mtpjax.package import examples
+import package_examples as examples
 from mtpjax.package import manifest as manifest_lib
 
 

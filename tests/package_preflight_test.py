@@ -12,7 +12,8 @@ import gguf
 import numpy as np
 from absl.testing import absltest
 
-from mtpjax.package import examples, writer
+import package_examples as examples
+from mtpjax.package import writer
 from mtpjax.package.preflight import preflight
 from fixtures import FIXTURES
 

@@ -12,7 +12,8 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from mtpjax import errors
-from mtpjax.package import examples, integrity, planning, reader, writer
+import package_examples as examples
+from mtpjax.package import integrity, planning, reader, writer
 
 # A tiny llama-like source: every §3 role, several ggml types, a NextN tensor in the last block.
 _RNG = np.random.default_rng(0)

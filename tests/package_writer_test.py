@@ -14,7 +14,8 @@ from absl.testing import parameterized
 from gguf import quants
 
 from mtpjax import errors
-from mtpjax.package import examples, preflight, reader, writer
+import package_examples as examples
+from mtpjax.package import preflight, reader, writer
 from mtpjax.testing import tiny_glm
 from fixtures import FIXTURES
 

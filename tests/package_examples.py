@@ -1,4 +1,4 @@
-"""Small package fixtures for tests and notebooks: the LAYER_PACKAGES.md §9 example and tiny GGUFs.
+"""Small package fixtures for tests: the LAYER_PACKAGES.md §9 example and tiny GGUFs.
 
 The §9 example's artifacts are not GGUFs: each file holds the ASCII bytes of its own name, so it
 exercises manifest, path and integrity handling only. `write_gguf` writes real GGUFs with
