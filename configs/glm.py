@@ -11,6 +11,8 @@ from __future__ import annotations
 import ml_collections
 from ml_collections import config_dict
 
+from mtpjax.testing import embedded_tiny  # noqa: F401  (registers the `embedded:tiny` source)
+
 # Every variant keys its per-model settings as `models.glm`, so one command line
 # (`--config.models.glm.speculative.strategy=disabled`) works whatever the variant.
 MODEL_NAME = "glm"
@@ -40,7 +42,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
 
   config.model = ml_collections.ConfigDict()
   # None: required (set --config.model.source); "": the shipped demo package;
-  # "embedded:tiny": a generated random tiny model (mtpjax.embedded).
+  # "embedded:tiny": a generated random tiny model (mtpjax/testing/embedded_tiny.py).
   config.model.source = config_dict.placeholder(str)
   config.model.name = MODEL_NAME
   config.model.arch = "glm4moe"

@@ -1,95 +1,43 @@
-"""The built-in models, so that every entry point works offline on a fresh machine.
+"""The built-in model sources, so that every entry point works offline on a fresh machine.
 
 - `model.source = ""` (`configs/glm.py` without a variant): the trained demo package shipped in
   `mtpjax/assets/glm-demo` (tools/train_demo.py, MODEL_CARD.md beside it): a small GLM-4.x MoE
   whose NextN head really predicts, so native MTP is worth something.
-- `model.source = "embedded:tiny"` (the `tiny` variant, tests): a deterministic random tiny model
-  from `mtpjax.testing` with an MTP head that copies the trunk, built on first use and cached
-  per build recipe. The build happens in a temporary folder renamed into place, so concurrent
-  first runs are safe: one rename wins and the others use the winner's package.
-Both are layer packages whose manifest advertises native MTP, so `auto` turns MTP on.
+- a named source registered with `register_source` (e.g. `embedded:tiny`, the generated tiny
+  model of `mtpjax/testing/embedded_tiny.py` that `configs/glm.py` registers): built on first use
+  into the cache folder.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import os
 import pathlib
-import shutil
-import tempfile
-from typing import Any
-
-from absl import logging
+from typing import Any, Callable
 
 from mtpjax import errors
-from mtpjax.gguf import tensors as gguf_tensors
-from mtpjax.gguf import tokenizer as gguf_tokenizer
-from mtpjax.package import gguf_kv, reader, writer
 from mtpjax.package import manifest as manifest_lib
-from mtpjax.testing import tiny_glm
 
 DEMO_PACKAGE = pathlib.Path(__file__).resolve().parent / "assets" / "glm-demo"
-TINY_SOURCE = "embedded:tiny"
-EMBEDDED_SPEC = tiny_glm.TinyGlmSpec(mtp_copies_trunk=True)
-EMBEDDED_MODEL_ID = "mtpjax/embedded-tiny-glm:F32"
-# The modules whose code decides the package's bytes: a change to any of them (new weights
-# recipe, tokenizer, package layout) must not be served from a stale cache.
-_RECIPE_MODULES = (tiny_glm, writer, reader, manifest_lib, gguf_kv, gguf_tensors,
-                   gguf_tokenizer)
+
+# source name -> builder(cache_dir) returning the package directory (built if missing).
+_NAMED_SOURCES: dict[str, Callable[[str | None], pathlib.Path]] = {}
 
 
 def cache_root(cache_dir: str | None = None) -> pathlib.Path:
-  """`cache_dir`, else `$XDG_CACHE_HOME`, else `~/.cache`; the package goes under `mtpjax/`."""
+  """`cache_dir`, else `$XDG_CACHE_HOME`, else `~/.cache`; packages go under `mtpjax/`."""
   if cache_dir:
     return pathlib.Path(cache_dir).expanduser()
   xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
   return pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
 
 
-def _recipe_key(spec: tiny_glm.TinyGlmSpec) -> str:
-  """Names the cache entry after everything that determines the package."""
-  digest = hashlib.sha256(json.dumps({"model_id": EMBEDDED_MODEL_ID,
-                                      "spec": dataclasses.asdict(spec)}, sort_keys=True).encode())
-  for module in _RECIPE_MODULES:
-    digest.update(pathlib.Path(module.__file__).read_bytes())
-  return digest.hexdigest()[:16]
-
-
-def embedded_package_dir(cache_dir: str | None = None,
-                         spec: tiny_glm.TinyGlmSpec = EMBEDDED_SPEC) -> pathlib.Path:
-  """Path of the cached embedded package (a directory), building it if it is missing."""
-  root = cache_root(cache_dir) / "mtpjax"
-  final = root / f"embedded-{_recipe_key(spec)}"
-  if (final / manifest_lib.MANIFEST_NAME).is_file():
-    return final
-  try:
-    root.mkdir(parents=True, exist_ok=True)
-    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.build-", dir=root))
-  except OSError as e:
-    raise errors.PackageError(f"cannot create the embedded model's cache folder: {e}",
-                              path=str(root), field="cache_dir",
-                              remedy="set --config.cache_dir to a writable folder") from e
-  try:
-    logging.info("building the embedded tiny GLM package in %s (first run only)", final)
-    gguf_path = staging / "source" / "tiny-glm.gguf"
-    gguf_path.parent.mkdir()
-    tiny_glm.write_tiny_glm_gguf(gguf_path, spec)
-    built = writer.split_gguf(gguf_path, staging / "package", model_id=EMBEDDED_MODEL_ID)
-    try:
-      built.rename(final)
-    except OSError:
-      if not (final / manifest_lib.MANIFEST_NAME).is_file():
-        raise                          # not a lost race: a real failure to install
-      logging.info("another process built %s first; using it", final)
-  finally:
-    shutil.rmtree(staging, ignore_errors=True)
-  return final
+def register_source(name: str, build: Callable[[str | None], pathlib.Path]) -> None:
+  """Make `model.source = name` serve the package `build(cache_dir)` returns."""
+  _NAMED_SOURCES[name] = build
 
 
 def resolve_source(config: Any) -> str:
-  """The model path the config names: "" is the shipped demo, "embedded:tiny" the tiny model."""
+  """The model path the config names: "" is the shipped demo, a registered name its package."""
   source = config.model.source
   if source is None:
     raise errors.MtpjaxError(
@@ -103,6 +51,6 @@ def resolve_source(config: Any) -> str:
           field="model.source", remedy="reinstall mtpjax, or rebuild it with "
           "`python tools/train_demo.py --out mtpjax/assets/glm-demo`")
     return str(DEMO_PACKAGE)
-  if source.strip() == TINY_SOURCE:
-    return str(embedded_package_dir(config.cache_dir))
+  if source.strip() in _NAMED_SOURCES:
+    return str(_NAMED_SOURCES[source.strip()](config.cache_dir))
   return source

@@ -31,7 +31,8 @@ from absl.testing import absltest, parameterized
 from prometheus_client.parser import text_string_to_metric_families
 
 from mtpjax import embedded, runtime_options
-from mtpjax.engine.generate import Request, SlotScheduler
+from mtpjax.testing import embedded_tiny
+from mtpjax.engine.scheduler import Request, SlotScheduler
 from mtpjax.gguf.tokenizer import ChatTemplate, GgufTokenizer
 from mtpjax.package.reader import open_source
 from mtpjax.server import metrics as server_metrics
@@ -50,7 +51,7 @@ class ServerProcess:
     """`tiny`: serve the generated tiny model; otherwise the config's own default model."""
     self.log_path = log_path
     self._log = open(log_path, "wb")
-    model_flags = ([f"--config.model.source={embedded.TINY_SOURCE}",
+    model_flags = ([f"--config.model.source={embedded_tiny.TINY_SOURCE}",
                     f"--config.server.model_name={MODEL}"] if tiny else [])
     self.process = subprocess.Popen(
         [sys.executable, "-m", "mtpjax.serve", "--config=configs/glm.py", *model_flags,
@@ -128,7 +129,7 @@ class ServerTestBase(parameterized.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     cls.tmp = tempfile.mkdtemp(prefix="mtpjax-server-test-")
-    cls.package_dir = embedded.embedded_package_dir(cls.tmp) if cls.PREBUILD else None
+    cls.package_dir = embedded_tiny.embedded_package_dir(cls.tmp) if cls.PREBUILD else None
     cls.server = ServerProcess(cls.tmp, pathlib.Path(cls.tmp) / "server.log", *cls.FLAGS)
     try:
       cls.prepare_references()
@@ -136,7 +137,7 @@ class ServerTestBase(parameterized.TestCase):
     except BaseException:
       cls.server.stop()
       raise
-    cls.package_dir = embedded.embedded_package_dir(cls.tmp)   # built by the server if needed
+    cls.package_dir = embedded_tiny.embedded_package_dir(cls.tmp)   # built by the server if needed
     cls.tokenizer, cls.template = package_tokenizer(cls.package_dir)
     open_clients(cls)
 
@@ -203,7 +204,7 @@ class ServerTest(ServerTestBase):
     self.assertTrue(card["native_mtp"])
     self.assertEqual(card["speculative"]["strategy"], "auto")
     self.assertEqual(card["speculative"]["scope"], "built-in default")
-    self.assertEqual(card["speculative"]["mtp_layer_index"], embedded.EMBEDDED_SPEC.nextn_block)
+    self.assertEqual(card["speculative"]["mtp_layer_index"], embedded_tiny.EMBEDDED_SPEC.nextn_block)
     self.assertIn("native-mtp-n1", card["speculative"]["reason"])
     self.assertEqual(card["max_model_len"], 1024)
     self.assertEqual(self.client.models.retrieve(MODEL).id, MODEL)
@@ -489,14 +490,14 @@ class EmbeddedPackageTest(absltest.TestCase):
     root = tempfile.mkdtemp(prefix="mtpjax-embedded-test-")
     self.addCleanup(shutil.rmtree, root, True)
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-      paths = list(pool.map(lambda _: embedded.embedded_package_dir(root), range(3)))
+      paths = list(pool.map(lambda _: embedded_tiny.embedded_package_dir(root), range(3)))
     self.assertEqual(len(set(paths)), 1)
     self.assertEqual(sorted(p.name for p in (pathlib.Path(root) / "mtpjax").iterdir()),
                      [paths[0].name])                    # no staging folders left behind
     with open_source(paths[0]) as source:
       self.assertEqual(source.kind, "package")
-      self.assertEqual(source.manifest.model_id, embedded.EMBEDDED_MODEL_ID)
-      self.assertIn(f"blk.{embedded.EMBEDDED_SPEC.nextn_block}.nextn.eh_proj.weight",
+      self.assertEqual(source.manifest.model_id, embedded_tiny.EMBEDDED_MODEL_ID)
+      self.assertIn(f"blk.{embedded_tiny.EMBEDDED_SPEC.nextn_block}.nextn.eh_proj.weight",
                     source.tensors)
 
   def test_cache_root_precedence(self):
