@@ -4,6 +4,11 @@
 checkpoint written by `python -m mtpjax.convert`. Whether native MTP runs is resolved once from
 the config and the package metadata (SPECULATIVE.md); with it off, the MTP head is not loaded
 until a call asks for it explicitly (`mtp_logits`, or `generate(speculative="native-mtp-n1")`).
+
+A model runs as the stages of a plan: one stage owning everything (a single device, or a
+tensor-sharded mesh), or a pipeline (`PipelinedModel`, `load(..., stages=N)`) where each process
+loads and runs only the stages whose devices it owns, and results the host reads are shared
+from the last stage to every process. Everything here works the same for both.
 """
 
 from __future__ import annotations
@@ -19,11 +24,17 @@ import numpy as np
 from flax import nnx
 
 from mtpjax import checkpoint, errors, loading, runtime_options, sharding, speculative
-from mtpjax.engine.decode import Engine, EngineConfig, pow2_bucket
-from mtpjax.engine.generate import AdaptiveDrafting, Request, Result, SlotScheduler
+from mtpjax.engine.contract import EngineConfig, pow2_bucket
+from mtpjax.engine.engine import Engine
+from mtpjax.engine.pipeline_hops import LocalHops
+from mtpjax.engine.plan import PipelinePlan, make_hops, pipeline_mesh, plan_pipeline, \
+    selection_like
 from mtpjax.engine.sampling import SamplerParams
-from mtpjax.models.config import ModelConfig, config_from_gguf
-from mtpjax.models.glm4_moe import StageLayout, init_kv, previous_hidden
+from mtpjax.engine.scheduler import AdaptiveDrafting, Request, Result, SlotScheduler
+from mtpjax.engine.steps import fresh_forward
+from mtpjax.models import registry
+from mtpjax.models.config import ModelConfig
+from mtpjax.models.interface import StageLayout, previous_hidden
 from mtpjax.package.manifest import parse_manifest
 from mtpjax.package.reader import open_source
 
@@ -44,29 +55,30 @@ class CheckpointSource:
 
 
 class Model:
-  """A loaded model: full-sequence forwards for checks, and `generate` for decoding."""
+  """A loaded model on one stage: full-sequence forwards for checks, `generate` for decoding."""
 
   def __init__(self, source, cfg: ModelConfig, *, dtype: str, resolution,
-               config=None, mesh=None, checkpoint_dir: pathlib.Path | None = None,
-               stage_ranges: Sequence | None = None):
+               config=None, mesh=None, checkpoint_dir: pathlib.Path | None = None):
     self.source = source
     self.config = cfg
     self.dtype = dtype
     self.resolution = resolution
-    self.run_config = config
-    self.mesh = mesh
+    self.mesh = mesh if mesh is not None else sharding.make_mesh(stages=1, tensor=1)
     self._checkpoint_dir = checkpoint_dir
-    self._weights: dict[bool, tuple] = {}
-    self._engines: dict[tuple, Engine] = {}
+    self._weights: dict[bool, Any] = {}
+    self._engines: dict[EngineConfig, Engine] = {}
     # The resolved flag, carried unchanged to the loader, every stage and the server.
     engine = config.engine if config is not None else None
-    self.load_options, self.stage_configs, self.generation_settings = (
-        runtime_options.consumers_from_resolution(
-            resolution, dtype=dtype, stage_ranges=stage_ranges or [(0, source.layer_count)],
-            max_len=engine.max_len if engine else 512, slots=engine.slots if engine else 1,
-            prefill_buckets=engine.prefill_buckets if engine else (16, 32, 64, 128, 256),
-            timing=engine.timing if engine else False))
+    self.load_options, self.generation_settings = runtime_options.consumers_from_resolution(
+        resolution, dtype=dtype, max_len=engine.max_len if engine else EngineConfig.max_len,
+        slots=engine.slots if engine else 1,
+        prefill_buckets=engine.prefill_buckets if engine else EngineConfig.prefill_buckets,
+        timing=engine.timing if engine else False)
     self.weights(with_mtp=self.load_options.native_mtp)
+
+  @functools.cached_property
+  def hops(self):
+    return LocalHops([self.mesh])
 
   @property
   def has_mtp(self) -> bool:
@@ -81,17 +93,31 @@ class Model:
   def metadata(self) -> dict:
     return self.source.metadata
 
+  @property
+  def last(self) -> int:
+    return len(self.stage_layouts(with_mtp=False)) - 1
+
   # --- weights ------------------------------------------------------------------------------
+
+  def stage_layouts(self, *, with_mtp: bool) -> list[StageLayout]:
+    """What each stage holds; the NextN block rides on the last stage when MTP is on."""
+    return [StageLayout.whole(self.config, mtp=with_mtp)]
 
   def weights(self, *, with_mtp: bool) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, state) of the whole model, with or without the MTP head."""
+    return self._cached_weights(with_mtp, lambda: self._load_layout(
+        self.stage_layouts(with_mtp=with_mtp)[0], sharding.param_sharding_fn(self.mesh)))
+
+  def stage_weights(self, *, with_mtp: bool) -> list:
+    """Per-stage (graphdef, state), None for stages another process owns."""
+    return [self.weights(with_mtp=with_mtp)]
+
+  def _cached_weights(self, with_mtp: bool, load):
     with_mtp = with_mtp and self.has_mtp
     if with_mtp not in self._weights:
       if self._weights and with_mtp:
         self._weights.clear()       # the MTP-on weights include everything the others hold
-      layout = StageLayout.whole(self.config, mtp=with_mtp)
-      sharding_fn = sharding.param_sharding_fn(self.mesh) if self.mesh is not None else None
-      self._weights[with_mtp] = self._load_layout(layout, sharding_fn)
+      self._weights[with_mtp] = load()
     return self._weights[with_mtp]
 
   def _load_layout(self, layout: StageLayout, sharding_fn) -> tuple[nnx.GraphDef, nnx.State]:
@@ -104,41 +130,58 @@ class Model:
     return loading.load_state(self.source, self.config, layout, dtype=self.dtype,
                               sharding_fn=sharding_fn)
 
-  def _any_weights(self):
-    return next(iter(self._weights.values()))
-
   # --- full-sequence forwards ---------------------------------------------------------------
 
   @functools.cached_property
-  def _jit_hidden(self):
-    def run(graphdef, state, tokens):
+  def _jit_stage(self):
+    def run(graphdef, hands_selection, state, inp):
+      """inp: tokens on stage 0, else the hop's (x, selection); the cache is the sequence."""
       model = nnx.merge(graphdef, state)
-      positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-      kv = init_kv(self.config, self.config.n_layers, 1, tokens.shape[1], model.dtype)
-      hidden, _ = model.forward(tokens, positions, kv)
-      return hidden, model.lm_logits(hidden)
-    return jax.jit(run, static_argnums=0)
+      length = (inp if model.layout.embeddings else inp[0]).shape[1]
+      x, _, selection = fresh_forward(model, inp, length)
+      if not model.layout.output:
+        return x, selection if hands_selection else None
+      return x, model.lm_logits(x)
+    return jax.jit(run, static_argnums=(0, 1))
 
   @functools.cached_property
   def _jit_mtp(self):
     def run(graphdef, state, tokens, prev_hidden):
       model = nnx.merge(graphdef, state)
       positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-      mtp_kv = init_kv(self.config, 1, 1, tokens.shape[1], model.dtype)[0]
+      mtp_kv = registry.init_cache(self.config, 1, 1, tokens.shape[1], model.dtype)[0]
       z, _ = model.mtp_hidden(tokens, prev_hidden, positions, mtp_kv)
       return model.mtp_logits(z)
     return jax.jit(run, static_argnums=0)
 
-  def _padded(self, token_ids) -> tuple[jax.Array, int]:
+  def _padded(self, token_ids) -> tuple[np.ndarray, int]:
     ids = np.asarray(token_ids, np.int32).reshape(-1)
     padded = np.zeros((1, pow2_bucket(ids.size)), np.int32)
     padded[0, :ids.size] = ids
-    return jnp.asarray(padded), ids.size
+    return padded, ids.size
+
+  def _run_stages(self, tokens: np.ndarray, weights: list):
+    """(post-norm hidden, logits) on the last stage (None on other processes)."""
+    dtype = loading.resolve_dtype(self.dtype)
+    b, t = tokens.shape
+    like = jax.ShapeDtypeStruct((b, t, self.config.hidden), dtype)
+    selections = [selection_like(layout, self.config, b, t, t)
+                  for layout in self.stage_layouts(with_mtp=False)] + [None]
+    x = tokens
+    for s, entry in enumerate(weights):
+      if s > 0:
+        x = self.hops.move(x, s - 1, s, like=(like, selections[s]))
+      if entry is not None:
+        x = self._jit_stage(entry[0], selections[s + 1] is not None, entry[1], x)
+    return x if weights[self.last] is not None else None
 
   def _trunk(self, token_ids, weights=None):
-    graphdef, state = weights or self._any_weights()
     tokens, n = self._padded(token_ids)
-    hidden, logits = self._jit_hidden(graphdef, state, tokens)
+    t = tokens.shape[1]
+    like = (jax.ShapeDtypeStruct((1, t, self.config.hidden), loading.resolve_dtype(self.dtype)),
+            jax.ShapeDtypeStruct((1, t, self.config.vocab_size), jnp.float32))
+    weights = weights or self.stage_weights(with_mtp=next(iter(self._weights)))
+    hidden, logits = self.hops.share(self._run_stages(tokens, weights), self.last, like=like)
     return tokens, n, hidden, logits
 
   def logits(self, token_ids) -> np.ndarray:
@@ -157,10 +200,15 @@ class Model:
       raise errors.SpeculativeConfigError(
           "this model has no NextN (MTP) block", path=str(self.source.path),
           field="blk.N.nextn.*", remedy="use a GGUF or package that includes the MTP head")
-    weights = self.weights(with_mtp=True)
-    tokens, n, hidden, _ = self._trunk(token_ids, weights)
-    prev = previous_hidden(hidden)
-    return np.asarray(self._jit_mtp(weights[0], weights[1], tokens, prev)[0, :n], np.float32)
+    weights = self.stage_weights(with_mtp=True)
+    tokens, n = self._padded(token_ids)
+    out = self._run_stages(tokens, weights)
+    if out is not None:
+      graphdef, state = weights[self.last]
+      out = self._jit_mtp(graphdef, state, jax.device_put(tokens, self.hops.shardings[self.last]),
+                          previous_hidden(out[0]))
+    like = jax.ShapeDtypeStruct(tokens.shape + (self.config.vocab_size,), jnp.float32)
+    return np.asarray(self.hops.share(out, self.last, like=like)[0, :n], np.float32)
 
   # --- decoding -----------------------------------------------------------------------------
 
@@ -179,18 +227,16 @@ class Model:
   def engine(self, *, native_mtp: bool, slots: int = 1, max_len: int = 512,
              prefill_buckets: Sequence[int] | None = None, timing: bool = False) -> Engine:
     """A compiled engine, cached by its settings so repeated calls reuse the compiled steps."""
-    buckets = tuple(prefill_buckets) if prefill_buckets else tuple(
-        b for b in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if b <= max_len + 2)
-    engine_cfg = EngineConfig(slots=slots, max_len=max_len, prefill_buckets=buckets,
-                              native_mtp=native_mtp, timing=timing)
+    settings = dict(slots=slots, native_mtp=native_mtp, timing=timing)
+    engine_cfg = (EngineConfig(max_len=max_len, prefill_buckets=tuple(prefill_buckets),
+                               **settings)
+                  if prefill_buckets else
+                  EngineConfig.with_default_buckets(max_len=max_len, **settings))
     if engine_cfg not in self._engines:
-      self._engines[engine_cfg] = self._make_engine(engine_cfg)
+      self._engines[engine_cfg] = Engine(
+          self.stage_weights(with_mtp=native_mtp), self.stage_layouts(with_mtp=native_mtp),
+          self.hops, self.config, engine_cfg, dtype=loading.resolve_dtype(self.dtype))
     return self._engines[engine_cfg]
-
-  def _make_engine(self, engine_cfg: EngineConfig) -> Engine:
-    graphdef, state = self.weights(with_mtp=engine_cfg.native_mtp)
-    return Engine(graphdef, state, self.config, engine_cfg,
-                  dtype=loading.resolve_dtype(self.dtype))
 
   def generate(self, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids=(),
@@ -213,6 +259,34 @@ class Model:
     return SlotScheduler(engine, adaptive=policy).run([request])[0]
 
 
+class PipelinedModel(Model):
+  """A `Model` over pipeline stages: one (graphdef, state) per stage, None for stages other
+  processes own."""
+
+  def __init__(self, source, cfg, *, dtype: str, resolution, plan: PipelinePlan, config=None,
+               checkpoint_dir=None):
+    self.plan = plan
+    super().__init__(source, cfg, dtype=dtype, resolution=resolution, config=config,
+                     mesh=plan.meshes[0], checkpoint_dir=checkpoint_dir)
+
+  @functools.cached_property
+  def hops(self):
+    return make_hops(self.plan.meshes)
+
+  def stage_layouts(self, *, with_mtp: bool) -> list[StageLayout]:
+    return self.plan.layouts(self.config, with_mtp=with_mtp)
+
+  def weights(self, *, with_mtp: bool) -> list:
+    """Per-stage (graphdef, state), each on its stage's sub-mesh; None where not local."""
+    return self._cached_weights(with_mtp, lambda: [
+        self._load_layout(layout, sharding.param_sharding_fn(self.plan.meshes[s]))
+        if self.hops.local(s) else None
+        for s, layout in enumerate(self.stage_layouts(with_mtp=with_mtp and self.has_mtp))])
+
+  def stage_weights(self, *, with_mtp: bool) -> list:
+    return self.weights(with_mtp=with_mtp)
+
+
 def _open(source_path):
   """(source, cfg, checkpoint dir or None) for a package, GGUF or converted checkpoint."""
   path = pathlib.Path(source_path)
@@ -227,7 +301,37 @@ def _open(source_path):
         layer_count=src["layer_count"])
     return source, ModelConfig.from_dict(record["model_config"]), path
   source = open_source(path)
-  return source, config_from_gguf(source.metadata, source.tensors, source=str(path)), None
+  return source, registry.config_from_gguf(source.metadata, source.tensors,
+                                           source=str(path)), None
+
+
+def _mesh_settings(config, stages: int, splits) -> tuple[int, Sequence[int] | None, int]:
+  """(stages, splits, tensor): explicit arguments win over `config.mesh.*`."""
+  if config is None:
+    return stages, splits, 1
+  mesh = config.mesh
+  if stages == 1 and splits is None:
+    stages, splits = int(mesh.stages), mesh.splits
+  return stages, splits, int(mesh.tensor)
+
+
+def load_pipelined(source, *, dtype: str, stages: int, splits=None, config=None) -> Model:
+  """Check the mesh and the stage plan (typed errors before any weight is read), then load
+  only the stages this process owns."""
+  stages, splits, tensor = _mesh_settings(config, stages, splits)
+  if splits is not None and not isinstance(splits, (list, tuple)):
+    raise errors.MeshConfigError(f"splits must be a sequence of layer boundaries, got {splits!r}",
+                                 field="mesh.splits", remedy="pass e.g. splits=(15, 31)")
+  pipeline_mesh(stages, tensor)
+  src, cfg, checkpoint_dir = _open(source)
+  plan = plan_pipeline(src.layer_count, stages, splits, tensor=tensor)
+  resolution = speculative.resolve_for_source(config or {}, _model_name(config), src)
+  return PipelinedModel(src, cfg, dtype=dtype, resolution=resolution, plan=plan, config=config,
+                        checkpoint_dir=checkpoint_dir)
+
+
+def _model_name(config) -> str:
+  return config.model.name if config is not None else DEFAULT_MODEL_NAME
 
 
 def load(source, *, dtype: str = "float32", stages: int = 1, splits=None, config=None,
@@ -237,13 +341,10 @@ def load(source, *, dtype: str = "float32", stages: int = 1, splits=None, config
   mesh_cfg = config.mesh if config is not None else None
   if (stages != 1 or splits is not None
       or (mesh_cfg is not None and (mesh_cfg.stages != 1 or mesh_cfg.splits is not None))):
-    from mtpjax.engine import pipeline_model  # imports this module
-    return pipeline_model.load_pipelined(source, dtype=dtype, stages=stages, splits=splits,
-                                         config=config)
+    return load_pipelined(source, dtype=dtype, stages=stages, splits=splits, config=config)
   if mesh is None and mesh_cfg is not None and mesh_cfg.tensor != 1:
     mesh = sharding.make_mesh(stages=1, tensor=mesh_cfg.tensor)   # fails before any I/O
   src, cfg, checkpoint_dir = _open(source)
-  model_name = config.model.name if config is not None else DEFAULT_MODEL_NAME
-  resolution = speculative.resolve_for_source(config or {}, model_name, src)
+  resolution = speculative.resolve_for_source(config or {}, _model_name(config), src)
   return Model(src, cfg, dtype=dtype, resolution=resolution, config=config, mesh=mesh,
                checkpoint_dir=checkpoint_dir)

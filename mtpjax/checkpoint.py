@@ -22,12 +22,14 @@ import orbax.checkpoint as ocp
 
 from mtpjax import errors
 from mtpjax.models.config import ModelConfig
-from mtpjax.models.glm4_moe import StageLayout
+from mtpjax.models.interface import StageLayout
 
 RECORD_NAME = "mtpjax-checkpoint.json"
-# 2: projection matrices are stored [in, out] (`models.layers.LinearWeight`); a version 1
+# 2: projection matrices are stored [in, out] (`models.primitives.LinearWeight`); a version 1
 # checkpoint holds them [out, in], which square matrices would restore silently transposed.
-FORMAT_VERSION = 2
+# 3: projections and experts are modules, so their parameters sit one level deeper
+# (`attn/wq/weight`, `ffn/experts/up_exps`).
+FORMAT_VERSION = 3
 
 
 def is_checkpoint(path) -> bool:

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 import mtpjax
 from mtpjax import checkpoint, errors, loading
-from mtpjax.models.config import config_from_gguf
+from mtpjax.models.registry import config_from_gguf
 from mtpjax.package import planning
 from mtpjax.package.reader import open_source
 

@@ -15,11 +15,11 @@ import numpy as np
 from flax import nnx
 
 from mtpjax import errors
-from mtpjax.gguf import names
 from mtpjax.gguf.tensors import dequantize
+from mtpjax.models import registry
 from mtpjax.models.config import ModelConfig
-from mtpjax.models.glm4_moe import GlmModel, StageLayout
-from mtpjax.models.layers import LinearWeight
+from mtpjax.models.interface import StageLayout
+from mtpjax.models.primitives import LinearWeight
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -38,7 +38,7 @@ def resolve_dtype(dtype) -> jnp.dtype:
 
 def abstract_model(cfg: ModelConfig, layout: StageLayout, dtype) -> tuple[nnx.GraphDef, nnx.State]:
   """The model's structure and parameter shapes, without allocating any parameter."""
-  model = nnx.eval_shape(lambda: GlmModel(cfg, layout, dtype=resolve_dtype(dtype)))
+  model = nnx.eval_shape(lambda: registry.build(cfg, layout, resolve_dtype(dtype)))
   return nnx.split(model)
 
 
@@ -108,9 +108,9 @@ def load_leaves(source, cfg: ModelConfig, layout: StageLayout, *, dtype="float32
     # A boundary-only part (embeddings, output head) has no layer range, and the reader only
     # streams non-empty stage ranges: fetch its few tensors by name instead.
     stream = ((source.tensors[n], source.raw(n)) for n in source.tensors
-              if names.targets_for(n, cfg, layout))
+              if registry.tensor_targets(n, cfg, layout))
   for info, raw in stream:
-    targets = [t for t in names.targets_for(info.name, cfg, layout)
+    targets = [t for t in registry.tensor_targets(info.name, cfg, layout)
                if keep is None or keep(t.path)]
     if not targets:
       continue

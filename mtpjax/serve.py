@@ -2,7 +2,8 @@
 
 Any config field can be overridden, e.g. `--config.model.source=/path/to/package`,
 `--config.defaults.speculative.strategy=disabled`, `--config.server.port=8080`. Without a
-variant the server builds and serves the embedded tiny GLM model (offline, first run ~1 s).
+variant the server serves the trained demo package shipped in `mtpjax/assets/glm-demo`
+(offline); `configs/glm.py:tiny` serves a generated tiny model.
 """
 
 from __future__ import annotations

@@ -15,10 +15,12 @@ from mtpjax import errors
 
 STAGE, TENSOR = "stage", "tensor"
 
-# leaf name -> index of the dimension split over `tensor` (negative: from the end).
-# Projections are `LinearWeight`s stored [in, out], so an output split is the last dimension.
+# role -> index of the dimension split over `tensor` (negative: from the end). A parameter's
+# role is its leaf name, or for a module's `weight` / `bias` the module's name (`role`).
+# Projections are `Linear` weights stored [in, out] (bias [out]), so an output split is the
+# last dimension of both.
 _SPLIT_DIM = {
-    "wq": -1, "wk": -1, "wv": -1, "bq": 0, "bk": 0, "bv": 0,  # attention heads (outputs)
+    "wq": -1, "wk": -1, "wv": -1,                            # attention heads (outputs)
     "wq_b": -1, "wk_b": 0, "wv_b": 0,                         # MLA per-head up-projections
     "wo": 0,                                                 # attention heads (inputs)
     "gate": -1, "up": -1, "down": 0,                          # dense / shared-expert FFN width
@@ -44,10 +46,18 @@ def make_mesh(*, stages: int = 1, tensor: int | None = None, devices=None) -> Me
   return Mesh(grid, (STAGE, TENSOR), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
+def role(path: tuple) -> str:
+  """What a parameter does: `('attn', 'wq', 'weight')` -> `wq`, `('ffn', 'experts', 'up_exps')`
+  -> `up_exps`."""
+  if len(path) > 1 and path[-1] in ("weight", "bias"):
+    return path[-2]
+  return path[-1]
+
+
 def param_spec(path: tuple, shape: tuple, tensor_size: int) -> P:
   """The PartitionSpec of one parameter of a stage's model."""
   dims = [None] * len(shape)
-  split = _SPLIT_DIM.get(path[-1])
+  split = _SPLIT_DIM.get(role(path))
   if split is not None and tensor_size > 1 and len(shape) > 0:
     dim = split % len(shape)
     if shape[dim] % tensor_size == 0:

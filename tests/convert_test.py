@@ -56,8 +56,12 @@ def _leftovers(out: pathlib.Path) -> list[str]:
   return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}"))
 
 
-# Leaf names kept in float32 whatever the parameter dtype: norm weights, biases, the router.
-_F32_LEAVES = {"weight", "bq", "bk", "bv", "router", "router_bias"}
+def _kept_f32(path: tuple) -> bool:
+  """Parameters kept in float32 whatever the parameter dtype: norm weights, biases, the router
+  (a projection's matrix is also a `weight`, of a module not named for a norm)."""
+  if path[-1] == "weight":
+    return "norm" in str(path[-2]) or path[-2] == "router"
+  return path[-1] in ("bias", "router_bias")
 
 
 def _leaves(model, *, with_mtp=True) -> dict:
@@ -193,9 +197,12 @@ class ShardedRestoreTest(absltest.TestCase):
       self.assertEqual(array.sharding, fn(path, array.shape), msg=str(path))
     # The roles the rules name are all there, and really split four ways. Projections are
     # stored [in, out]: q heads split on dim 1, o heads (its inputs) on dim 0.
-    for path, dim in ((("layers", 0, "attn", "wq"), 1), (("layers", 1, "ffn", "gate_exps"), 0),
-                      (("embed",), 0), (("mtp", "embed"), 0), (("layers", 2, "attn", "wo"), 0),
-                      (("mtp", "block", "ffn", "down_exps"), 0), (("head",), 1)):
+    for path, dim in ((("layers", 0, "attn", "wq", "weight"), 1),
+                      (("layers", 1, "ffn", "experts", "gate_exps"), 0),
+                      (("embed",), 0), (("mtp", "embed"), 0),
+                      (("layers", 2, "attn", "wo", "weight"), 0),
+                      (("mtp", "block", "ffn", "experts", "down_exps"), 0),
+                      (("head", "weight"), 1)):
       array = leaves[path]
       self.assertLen(array.sharding.device_set, 4, msg=str(path))
       shard_shapes = {s.data.shape[dim] for s in array.addressable_shards}
@@ -229,19 +236,21 @@ class PackageAndDtypeTest(absltest.TestCase):
     meta = ocp.StandardCheckpointer().metadata(out / "parts" / "layer-001")
     stored = {key: np.dtype(m.dtype) for key, m in getattr(meta, "item_metadata", meta).items()}
     self.assertEqual({k for k, d in stored.items() if d != bf16},
-                     {k for k in stored if k.rsplit("/", 1)[-1] in _F32_LEAVES})
-    self.assertEqual(stored["layers/0/ffn/gate_exps"], bf16)
+                     {k for k in stored if _kept_f32(tuple(k.split("/")))})
+    self.assertEqual(stored["layers/0/ffn/experts/gate_exps"], bf16)
+    self.assertEqual(stored["layers/0/attn/wq/weight"], bf16)
     model = mtpjax.load(out, dtype="bfloat16")
     master = build_tiny_glm_tensors(SPEC)
     leaves = _leaves(model)
     for path, array in leaves.items():
-      want = np.float32 if path[-1] in _F32_LEAVES else bf16
+      want = np.float32 if _kept_f32(path) else bf16
       self.assertEqual(np.dtype(array.dtype), want, msg=str(path))
     # GGUF [out, in] tensors; projections (eh_proj) are stored transposed.
-    for path, name, layout in ((("layers", 1, "ffn", "gate_exps"), "blk.1.ffn_gate_exps.weight",
-                                lambda a: a),
+    for path, name, layout in ((("layers", 1, "ffn", "experts", "gate_exps"),
+                                "blk.1.ffn_gate_exps.weight", lambda a: a),
                                (("embed",), "token_embd.weight", lambda a: a),
-                               (("mtp", "eh_proj"), "blk.3.nextn.eh_proj.weight", np.transpose)):
+                               (("mtp", "eh_proj", "weight"), "blk.3.nextn.eh_proj.weight",
+                                np.transpose)):
       np.testing.assert_array_equal(np.asarray(leaves[path]),
                                     layout(master[name].astype(ml_dtypes.bfloat16)),
                                     err_msg=str(path))

@@ -8,7 +8,7 @@ from absl.testing import absltest
 
 import mtpjax
 from mtpjax.models.dsa_indexer import select_top_rows
-from mtpjax.models.glm4_moe import kv_cache_shapes
+from mtpjax.models.registry import cache_shapes
 from mtpjax.testing.tiny_mla import TinyDsaSpec, write_tiny_dsa_gguf
 from fixture_checks import ReferenceFixtureChecks
 from fixtures import FIXTURES
@@ -160,7 +160,7 @@ class SparseTinyModelTest(absltest.TestCase):
 
   def test_cache_shapes(self):
     cfg = self.model.config
-    for k, v in kv_cache_shapes(cfg, cfg.n_layers, 1, 64):
+    for k, v in cache_shapes(cfg, cfg.n_layers, 1, 64):
       self.assertEqual(k, (1, 64, 1, cfg.kv_lora_rank + cfg.rope_dims))
       self.assertEqual(v, (1, 64, 1, cfg.indexer_dim))
 
@@ -184,7 +184,7 @@ class GlmDsaFixtureTest(ReferenceFixtureChecks, absltest.TestCase):
   def test_kv_cache_holds_latent_plus_rope_key_per_token(self):
     cfg = self.model.config
     state = self.model.engine(native_mtp=True, max_len=64).init_state()
-    for latent, index_keys in list(state.kv) + [state.mtp_kv]:
+    for latent, index_keys in list(state.groups[0].kv[0]) + [state.groups[0].head.mtp_kv]:
       self.assertEqual(latent.shape[2:], (1, cfg.kv_lora_rank + cfg.rope_dims))
       self.assertEqual(index_keys.shape[2:], (1, cfg.indexer_dim))
 

@@ -1,4 +1,4 @@
-"""Tests for mtpjax.engine.decode: the jitted prefill / insert / decode and verify+draft steps.
+"""Tests for mtpjax.engine.engine: the jitted prefill / insert / decode and verify+draft steps.
 
 References are independent of the engine: the llama.cpp-converted fixture with transformers'
 greedy continuation, full-sequence forwards (`Model.logits`, `model.forward` over the whole
@@ -17,10 +17,12 @@ from absl.testing import absltest, parameterized
 from flax import nnx
 
 import mtpjax
-from mtpjax.engine.decode import ACCEPTED, CATCH_UP_ROWS, COUNT, TOKEN_A, TOKEN_B, warm_up
-from mtpjax.engine.generate import AdaptiveDrafting, Request, SlotScheduler
+from mtpjax.engine.contract import ACCEPTED, COUNT, TOKEN_A, TOKEN_B, warm_up
+from mtpjax.engine.scheduler import AdaptiveDrafting, Request, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
-from mtpjax.models.glm4_moe import init_kv
+from mtpjax.engine.state import CATCH_UP_ROWS
+from mtpjax.models.interface import stage_forward
+from mtpjax.models.registry import init_cache as init_kv
 from mtpjax.testing.tiny_glm import TinyGlmSpec, write_tiny_glm_gguf
 from fixtures import FIXTURES
 
@@ -38,7 +40,7 @@ def load_generated(tmp: str, spec: TinyGlmSpec):
 def cached_forward(graphdef, params, tokens, positions, kv):
   """Trunk pass over `tokens` at `positions` on top of `kv`: logits, hiddens, new cache."""
   model = nnx.merge(graphdef, params)
-  hidden, kv = model.forward(tokens, positions, kv)
+  hidden, kv, _ = stage_forward(model, tokens, positions, kv)
   return model.lm_logits(hidden), hidden, kv
 
 
@@ -52,12 +54,18 @@ def scratch_passes(graphdef, params, tokens):
   cfg = model.cfg
   length = tokens.shape[1]
   positions = jnp.arange(length, dtype=jnp.int32)[None]
-  hidden, kv = model.forward(tokens, positions, init_kv(cfg, cfg.n_layers, 1, length,
-                                                        jnp.float32))
+  hidden, kv, _ = stage_forward(model, tokens, positions,
+                                init_kv(cfg, cfg.n_layers, 1, length, jnp.float32))
   prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
   z, mtp_kv = model.mtp_hidden(tokens, prev, positions,
                                init_kv(cfg, 1, 1, length, jnp.float32)[0])
   return hidden, kv, mtp_kv, model.mtp_logits(z)
+
+
+def view(state):
+  """(slots, trunk caches, MTP cache) of a one-stage, one-group engine state."""
+  group = state.groups[0]
+  return group.head.slots, group.kv[0], group.head.mtp_kv
 
 
 class FixtureTest(parameterized.TestCase):
@@ -200,12 +208,13 @@ class MtpEngineTest(parameterized.TestCase):
     cls.tmp.cleanup()
     super().tearDownClass()
 
-  def check_state_against_scratch(self, state, slot: int, committed: list[int],
+  def check_state_against_scratch(self, engine_state, slot: int, committed: list[int],
                                   check_draft: bool = True):
     """pos/current/h_prev/draft and the KV rows a query can see, against from-scratch passes.
 
     A slot whose MTP KV lags (paused drafting) is checked up to its last caught-up MTP row.
     """
+    state, kv_cached, mtp_cached = view(engine_state)
     pos = int(state.pos[slot])
     mtp_rows = pos + 1 - int(state.mtp_lag[slot])
     self.assertEqual(len(committed), pos + 1, "pos must index the last committed token")
@@ -219,13 +228,13 @@ class MtpEngineTest(parameterized.TestCase):
     k_rows = lambda cache, b, n: np.asarray(cache)[b, :, :n]
     v_rows = lambda cache, b, n: np.asarray(cache)[b, ..., :n]
     for layer, (k, v) in enumerate(kv):
-      for name, rows, cached, fresh in (("k", k_rows, state.kv[layer][0], k),
-                                        ("v", v_rows, state.kv[layer][1], v)):
+      for name, rows, cached, fresh in (("k", k_rows, kv_cached[layer][0], k),
+                                        ("v", v_rows, kv_cached[layer][1], v)):
         np.testing.assert_allclose(
             rows(cached, slot, pos), rows(fresh, 0, pos), atol=ATOL, rtol=ATOL,
             err_msg=f"target {name} layer {layer} rows 0..{pos - 1}")
-    for name, rows, cached, fresh in (("k", k_rows, state.mtp_kv[0], mtp_kv[0]),
-                                      ("v", v_rows, state.mtp_kv[1], mtp_kv[1])):
+    for name, rows, cached, fresh in (("k", k_rows, mtp_cached[0], mtp_kv[0]),
+                                      ("v", v_rows, mtp_cached[1], mtp_kv[1])):
       np.testing.assert_allclose(rows(cached, slot, mtp_rows), rows(fresh, 0, mtp_rows),
                                  atol=ATOL, rtol=ATOL, err_msg=f"MTP {name} rows 0..{mtp_rows}")
     if check_draft:
@@ -249,12 +258,16 @@ class MtpEngineTest(parameterized.TestCase):
     outcomes = {"reject": 0, "accept": 0}
     for step in range(14):
       kinds = [("reject", "accept", "natural")[(step + slot) % 3] for slot in range(2)]
-      drafts = np.asarray(state.draft).copy()
+      group = state.groups[0]
+      drafts = np.asarray(group.head.slots.draft).copy()
       for slot, kind in enumerate(kinds):
         target = self.reference[slot][len(emitted[slot])]   # the token t_a will be
         if kind != "natural":
           drafts[slot] = target if kind == "accept" else (target + 1) % 500
-      state = state.replace(draft=jnp.asarray(drafts))
+      # Placed as the state's own arrays are, so the step sees the shapes and shardings it
+      # was compiled for.
+      drafts = jax.device_put(drafts, group.head.slots.draft.sharding)
+      group.head = group.head.replace(slots=group.head.slots.replace(draft=drafts))
       state, result, _ = engine.step(state, active)
       for slot, kind in enumerate(kinds):
         row = result[slot]
@@ -283,13 +296,14 @@ class MtpEngineTest(parameterized.TestCase):
       traces = dict(engine.trace_counts)
       catch_ups = traces.get("catch_up", 0)
       state, result, _ = engine.step(state, active, np.asarray(drafting))
-      # The engine's host copy of the lag (no read-back before a catch-up) is the device's.
-      np.testing.assert_array_equal(engine._known_lag(state), np.asarray(state.mtp_lag))
+      # The state's host copy of the lag (no read-back before a catch-up) is the device's.
+      device_lag = np.asarray(view(state)[0].mtp_lag)
+      np.testing.assert_array_equal(state.mtp_lag[0], device_lag)
       if not any(drafting):
         self.assertEqual(engine.trace_counts.get("verify_draft"), traces.get("verify_draft"))
-        self.assertEqual(np.asarray(state.mtp_lag).tolist(), [step + 1] * 2)
+        self.assertEqual(device_lag.tolist(), [step + 1] * 2)
       else:
-        self.assertEqual(np.asarray(state.mtp_lag).tolist(), [0, 0])
+        self.assertEqual(device_lag.tolist(), [0, 0])
       for slot in range(2):
         row = result[slot]
         if not drafting[slot]:
@@ -315,21 +329,9 @@ class MtpEngineTest(parameterized.TestCase):
     state, emitted = self.paused_steps(engine, 5)
     active = np.ones(2, bool)
     state = engine.catch_up(state, active)
-    self.assertEqual(np.asarray(state.mtp_lag).tolist(), [0, 0])
+    self.assertEqual(np.asarray(view(state)[0].mtp_lag).tolist(), [0, 0])
+    self.assertEqual(state.mtp_lag[0].tolist(), [0, 0])
     for slot in range(2):
-      self.check_state_against_scratch(state, slot, list(self.prompts[slot]) + emitted[slot])
-
-  def test_a_state_the_engine_did_not_return_last_reads_its_lag_from_the_device(self):
-    engine = self.on
-    state, emitted = self.paused_steps(engine, 3)
-    active = np.ones(2, bool)
-    engine.init_state()                  # the host copy now belongs to another state
-    self.assertIsNone(engine._known_lag(state))
-    state, result, _ = engine.step(state, active, np.ones(2, bool))   # catches 3 rows up first
-    self.assertEqual(np.asarray(state.mtp_lag).tolist(), [0, 0])
-    for slot in range(2):
-      row = result[slot]
-      emitted[slot] += [int(row[TOKEN_A])] + ([int(row[TOKEN_B])] if row[COUNT] == 2 else [])
       self.check_state_against_scratch(state, slot, list(self.prompts[slot]) + emitted[slot])
 
   def test_prefill_state_matches_scratch(self):
@@ -387,36 +389,37 @@ class MtpEngineTest(parameterized.TestCase):
     self.assertEqual(emitted, self.reference[0][:len(emitted)])
     self.assertEqual(engine.trace_counts, traces)    # warm_up compiled the one-slot steps
 
-  @parameterized.parameters((False, "_decode", 1), (True, "_plain", 1), (True, "_fused", 1),
-                            (False, "_decode", 2), (True, "_fused", 2))
+  @parameterized.parameters((False, "decode", 1), (True, "plain", 1), (True, "verify_draft", 1),
+                            (False, "decode", 2), (True, "verify_draft", 2))
   def test_one_slot_steps_write_their_caches_in_place(self, native_mtp, step, slots):
     """No compiled one-slot step copies a whole KV cache, in a one-slot engine or over the
     first of two slots. With one slot XLA:CPU used to copy every cache four times per decode
     or plain step (see `layers.write_head_rows`)."""
     engine = self.model.engine(native_mtp=native_mtp, slots=slots, max_len=self.MAX_LEN,
                                prefill_buckets=(16,))
-    state = engine.init_state()
+    group = engine.init_state().groups[0]
     active = np.ones(1, bool)
-    args = (engine._leaves, state, active) + ((active,) if step == "_fused" else ())
-    hlo = getattr(engine, step).lower(*args).compile().as_text()
+    hlo = engine._steps[step][0].lower(engine._leaves[0], None, group.kv[0], group.head, active,
+                                       active if native_mtp else None).compile().as_text()
     copied = {tuple(int(d) for d in dims.split(",") if d)
               for dims in re.findall(r"= \w+\[([\d,]*)\]\S* copy\(", hlo)}
-    caches = jax.tree.leaves((state.kv, state.mtp_kv))
+    caches = jax.tree.leaves((group.kv, group.head.mtp_kv))
     self.assertFalse(copied & {tuple(c.shape) for c in caches}, f"cache copies in {step}")
 
   def test_donation_deletes_the_input_state(self):
     engine = self.on
     state = engine.init_state()
+    group = state.groups[0]
     prefix = engine.prefill(self.prompts[0], SamplerParams())
-    before_insert = state.kv[0][0]
+    before_insert = group.kv[0][0][0]
     state = engine.insert(prefix, state, 0)
     self.assertTrue(before_insert.is_deleted())
-    self.assertFalse(prefix.kv[0][0].is_deleted())   # the prefix is read, not donated
-    trunk, mtp = state.kv[-1][1], state.mtp_kv[0]
+    self.assertFalse(prefix.kv[0][0][0].is_deleted())   # the prefix is read, not donated
+    trunk, mtp = group.kv[0][-1][1], group.head.mtp_kv[0]
     state, _, _ = engine.step(state, np.array([True, False]))
     self.assertTrue(trunk.is_deleted())
     self.assertTrue(mtp.is_deleted())
-    self.assertFalse(state.kv[-1][1].is_deleted())
+    self.assertFalse(group.kv[0][-1][1].is_deleted())
 
 
 if __name__ == "__main__":

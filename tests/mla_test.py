@@ -10,8 +10,8 @@ from absl.testing import absltest
 import mtpjax
 from mtpjax import errors
 from mtpjax.models import config as config_lib
-from mtpjax.models.glm4_moe import kv_cache_shapes
-from mtpjax.models.layers import rope_interleaved
+from mtpjax.models.registry import cache_shapes
+from mtpjax.models.primitives import rope_interleaved
 from mtpjax.testing.gguf_rewrite import rewrite_gguf
 from fixture_checks import ReferenceFixtureChecks
 from fixtures import FIXTURES
@@ -92,11 +92,11 @@ class Glm4MoeLiteFixtureTest(ReferenceFixtureChecks, absltest.TestCase):
     cfg = self.model.config
     per_token = cfg.kv_lora_rank + cfg.rope_dims
     self.assertEqual(per_token, 48)
-    for k, v in kv_cache_shapes(cfg, cfg.n_layers, 2, 40):
+    for k, v in cache_shapes(cfg, cfg.n_layers, 2, 40):
       self.assertEqual(k, (2, 40, 1, per_token))
       self.assertEqual(v, (2, 40, 1, 0))
     state = self.model.engine(native_mtp=True, max_len=64).init_state()
-    for cache in list(state.kv) + [state.mtp_kv]:
+    for cache in list(state.groups[0].kv[0]) + [state.groups[0].head.mtp_kv]:
       self.assertEqual(sum(int(np.prod(a.shape[2:])) for a in cache), per_token)
 
 

@@ -25,7 +25,8 @@ from flax import nnx
 import mtpjax
 from dsa_test import reference_logits
 from mtpjax.engine.pipeline_hops import CollectiveHops
-from mtpjax.models.glm4_moe import StageLayout, init_kv
+from mtpjax.models.interface import StageLayout
+from mtpjax.models.registry import init_cache
 from mtpjax.testing.tiny_mla import TinyDsaSpec, build_tiny_dsa_tensors, write_tiny_dsa_gguf
 
 SPEC = TinyDsaSpec(n_layers=3, indexer_types=(True, False, False), mtp=True)  # layer_count 4
@@ -121,7 +122,7 @@ class PipelineSelectionTest(parameterized.TestCase):
       x, selection = stages[0].embed_tokens(jax.device_put(tokens, model.hops.shardings[0])), None
       for s, stage in enumerate(stages):
         x, selection, pos = jax.device_put((x, selection, positions), model.hops.shardings[s])
-        kv = jax.device_put(init_kv(self.cfg, len(stage.layers), 1, 32, jnp.float32),
+        kv = jax.device_put(init_cache(self.cfg, len(stage.layers), 1, 32, jnp.float32),
                             model.hops.shardings[s])
         x, _, selection = stage.run_layers(x, pos, kv, selection if hand_on else None)
       return np.asarray(stages[-1].lm_logits(stages[-1].final_norm(x)))[0, :IDS.size]

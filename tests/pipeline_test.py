@@ -21,9 +21,10 @@ import numpy as np
 import mtpjax
 from configs import glm as glm_config
 from mtpjax import errors
-from mtpjax.engine import decode
-from mtpjax.engine.generate import Request, SlotScheduler
-from mtpjax.engine.pipeline_model import load_pipelined
+from mtpjax.engine.contract import ACCEPTED
+from mtpjax.engine.state import CATCH_UP_ROWS
+from mtpjax.engine.scheduler import Request, SlotScheduler
+from mtpjax.api import load_pipelined
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.testing.tiny_glm import TinyGlmSpec, write_tiny_glm_gguf
 
@@ -135,7 +136,7 @@ class _PipelineCase:
         state = engine.insert(engine.prefill(np.asarray(prompt), SamplerParams()), state, slot)
       states.append(state)
     active = np.ones(2, bool)
-    pause = decode.CATCH_UP_ROWS + 4            # two catch-up passes before drafting resumes
+    pause = CATCH_UP_ROWS + 4            # two catch-up passes before drafting resumes
     schedule = [True] * 3 + [False] * pause + [True] * 4
     for i, drafting in enumerate(schedule):
       results = []
@@ -144,20 +145,20 @@ class _PipelineCase:
         results.append(result)
       np.testing.assert_array_equal(results[0], results[1], err_msg=f"step {i}")
       if not drafting:
-        self.assertEqual(results[0][:, decode.ACCEPTED].sum(), 0)
+        self.assertEqual(results[0][:, ACCEPTED].sum(), 0)
     self.assertFalse(any(lag.any() for lag in states[0].mtp_lag))   # all caught up
     # The MTP KV rows the catch-up wrote (a head that copies the trunk drafts the same tokens
     # without them, so the tokens alone would not show a missing pass).
-    control = jax.tree.map(lambda *groups: np.concatenate(groups),
-                           *[group.control for group in states[0].groups])
-    single = states[1]
-    np.testing.assert_array_equal(control.pos, single.pos)
-    np.testing.assert_array_equal(control.draft, single.draft)
-    for slot, pos in enumerate(np.asarray(single.pos)):
-      for axis, (piped, alone) in zip((1, 2), zip(control.mtp_kv, single.mtp_kv)):
+    piped_head = jax.tree.map(lambda *groups: np.concatenate(groups),
+                              *[group.head for group in states[0].groups])
+    single = states[1].groups[0].head
+    np.testing.assert_array_equal(piped_head.slots.pos, single.slots.pos)
+    np.testing.assert_array_equal(piped_head.slots.draft, single.slots.draft)
+    for slot, pos in enumerate(np.asarray(single.slots.pos)):
+      for axis, (piped, alone) in zip((1, 2), zip(piped_head.mtp_kv, single.mtp_kv)):
         rows = lambda cache: np.take(np.asarray(cache)[slot], np.arange(pos + 1), axis=axis)
         np.testing.assert_allclose(rows(piped), rows(alone), atol=1e-5, err_msg=f"slot {slot}")
-    self.assertGreater(results[0][:, decode.ACCEPTED].sum(), 0)   # the caught-up head drafts
+    self.assertGreater(results[0][:, ACCEPTED].sum(), 0)   # the caught-up head drafts
     counts = engines[0].trace_counts
     self.assertEqual((counts["plain"], counts["catch_up"]), (len(self.model.plan.ranges), 1))
 
@@ -205,8 +206,8 @@ class TwoStagesTest(_PipelineCase, absltest.TestCase):
     engine = self.model.engine(native_mtp=True, slots=4, max_len=128)
     state = engine.init_state()
     for drafting in (True, False):
-      control = state.groups[0].control
-      before = jax.tree.leaves([state.groups[0].kv, control.mtp_kv, control.history_hidden])
+      head = state.groups[0].head
+      before = jax.tree.leaves([state.groups[0].kv, head.mtp_kv, head.history_hidden])
       state, _, _ = engine.step(state, np.zeros(4, bool), np.full(4, drafting))
       self.assertTrue(all(leaf.is_deleted() for leaf in before), f"drafting {drafting}")
 

@@ -1,8 +1,8 @@
 """The resolved native-MTP flag reaches all three consumers of a real `mtpjax.load`.
 
 SPECULATIVE.md §6: the loader (`load_options`, and whether the MTP head is in memory), every
-pipeline stage (`stage_configs`) and the server's generation settings carry one value, for a
-real layer package (with its generation block) and a real direct GGUF.
+pipeline stage (the layouts and the engine the stages run) and the server's generation settings
+carry one value, for a real layer package (with its generation block) and a real direct GGUF.
 """
 
 import os
@@ -46,9 +46,10 @@ class LoadPropagationTest(parameterized.TestCase):
     self.assertEqual(model.resolution.native_mtp, expected)
     self.assertEqual(model.load_options.native_mtp, expected)
     self.assertEqual(model.mtp_head_loaded, expected)
-    self.assertNotEmpty(model.stage_configs)
-    for stage in model.stage_configs:
-      self.assertEqual(stage.native_mtp, expected, stage)
+    layouts = model.stage_layouts(with_mtp=model.load_options.native_mtp)
+    self.assertNotEmpty(layouts)
+    self.assertEqual(layouts[-1].mtp, expected)     # the NextN block rides on the last stage
+    self.assertFalse(any(layout.mtp for layout in layouts[:-1]))
     self.assertEqual(model.generation_settings.native_mtp, expected)
 
   @parameterized.named_parameters(
@@ -62,7 +63,7 @@ class LoadPropagationTest(parameterized.TestCase):
     source = self.package if kind == "package" else self.gguf
     model = mtpjax.load(str(source), stages=stages, config=config_with(strategy))
     self.assert_everywhere(model, expected)
-    self.assertLen(model.stage_configs, stages)
+    self.assertLen(model.stage_layouts(with_mtp=expected), stages)
 
   def test_explicit_without_a_head_fails_before_loading(self):
     with self.assertRaisesRegex(errors.SpeculativeConfigError,

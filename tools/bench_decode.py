@@ -24,6 +24,7 @@ CPU host), `bandwidth_bound_speedup` (tokens per target pass x their ratio) is t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pathlib
 import tempfile
@@ -35,8 +36,8 @@ from absl import app, flags
 
 import mtpjax
 from mtpjax import errors
-from mtpjax.engine.decode import pow2_bucket, warm_up
-from mtpjax.engine.generate import AdaptiveDrafting, Request, Result, SlotScheduler
+from mtpjax.engine.contract import pow2_bucket, warm_up
+from mtpjax.engine.scheduler import AdaptiveDrafting, Request, Result, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.gguf.tokenizer import GgufTokenizer
 from mtpjax.models.traffic import weight_mb_per_step
@@ -190,7 +191,7 @@ def _measure(model, source: str, load_s: float, slots: int) -> dict:
   step_ms = {mode: _step_ms(last[mode]) for mode in ("off", "always")}
   c_draft = step_ms["always"] / step_ms["off"] - 1.0 if step_ms["off"] else 0.0
   ideal = (1.0 + stats.accept_rate) / (1.0 + c_draft)
-  weights_mb = weight_mb_per_step(engines["on"].params, model.config, slots)
+  weights_mb = weight_mb_per_step(model.weights(with_mtp=True)[1], model.config, slots)
   device = jax.devices()[0]
   line = {
       "flags": {flag.name: flag.value for flag in _REPORTED_FLAGS},
@@ -221,6 +222,9 @@ def _measure(model, source: str, load_s: float, slots: int) -> dict:
       "latency_off": _latency_ms(last["off"]),
       "latency_on": _latency_ms(last["on"]),
       "outputs_identical": identical,
+      # The same digest from two builds means the same tokens (tools/bench_ab.py compares them).
+      "outputs_sha256": hashlib.sha256(json.dumps([r.tokens for r in last["off"]]).encode()
+                                       ).hexdigest(),
       "load_s": load_s,
       "compile_s": compile_s,
       "native_mtp": timing.as_dict(),   # the timing pass: same counters, durations filled

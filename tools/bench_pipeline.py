@@ -38,8 +38,8 @@ def main() -> None:
   import jax
   import numpy as np
 
-  from mtpjax.engine.generate import Request, SlotScheduler
-  from mtpjax.engine.pipeline_model import load_pipelined
+  from mtpjax.engine.scheduler import Request, SlotScheduler
+  from mtpjax.api import load_pipelined
   from mtpjax.testing.tiny_glm import write_tiny_glm_gguf
 
   with tempfile.TemporaryDirectory() as tmp:

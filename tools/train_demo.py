@@ -30,10 +30,11 @@ from flax import nnx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mtpjax import loading
-from mtpjax.gguf import names
 from mtpjax.gguf.tokenizer import GgufTokenizer, glm_pre_tokenizer
 from mtpjax.models.config import ModelConfig
-from mtpjax.models.glm4_moe import StageLayout, init_kv, previous_hidden
+from mtpjax.engine.steps import fresh_forward
+from mtpjax.models import registry
+from mtpjax.models.interface import StageLayout, previous_hidden
 from mtpjax.package.writer import split_gguf
 from mtpjax.testing import tiny_glm
 from mtpjax.testing.corpus import split_corpus
@@ -105,7 +106,7 @@ def init_params(cfg: ModelConfig, layout: StageLayout, seed: int):
     name = path[-2] if path[-1] == "weight" else path[-1]
     if path[-1] == "weight" and "norm" in str(name):
       value = np.ones(leaf.shape, np.float32)
-    elif path[-1] in ("bq", "bk", "bv", "router_bias"):
+    elif path[-1] in ("bias", "router_bias"):
       value = np.zeros(leaf.shape, np.float32)
     elif path in transposed:   # drawn in GGUF order, so a seed gives the same model as before
       value = rng.normal(0.0, 0.02, leaf.shape[::-1]).astype(np.float32).T
@@ -120,11 +121,11 @@ def losses(graphdef, state, tokens, mtp_weight):
   model = nnx.merge(graphdef, state)
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  kv = init_kv(model.cfg, model.cfg.n_layers, b, t, jnp.float32)
-  hidden, _ = model.forward(tokens, positions, kv)
+  hidden, _, _ = fresh_forward(model, tokens, t)
   trunk_logits = model.lm_logits(hidden)[:, :-1]
   prev = previous_hidden(hidden)
-  z, _ = model.mtp_hidden(tokens, prev, positions, init_kv(model.cfg, 1, b, t, jnp.float32)[0])
+  mtp_kv = registry.init_cache(model.cfg, 1, b, t, jnp.float32)[0]
+  z, _ = model.mtp_hidden(tokens, prev, positions, mtp_kv)
   mtp_logits = model.mtp_logits(z)[:, :-1]
   targets = tokens[:, 1:]
   ce_trunk = optax.softmax_cross_entropy_with_integer_labels(trunk_logits, targets).mean()
@@ -146,7 +147,7 @@ def export(graphdef, state, spec, cfg, tokenizer_meta, out_dir: pathlib.Path, ca
   transposed = loading.linear_weight_paths(state)
   tensors = {}
   for name in tiny_glm.build_tiny_glm_tensors(spec):
-    path = names.targets_for(name, cfg, layout)[0].path
+    path = registry.tensor_targets(name, cfg, layout)[0].path
     array = np.asarray(leaves[path], np.float32)
     tensors[name] = np.ascontiguousarray(array.T) if path in transposed else array
   work = pathlib.Path(tempfile.mkdtemp(prefix="train-demo-"))

@@ -2,8 +2,9 @@
 
 Community GGUFs mix ggml types per tensor, so every tensor is dispatched on its own type.
 Layout convention (MODEL.md §3): the result is shaped `reversed(ne)`, i.e. `[out, in]` for a
-Linear weight and `[E, out, in]` for an expert stack, exactly as gguf-py returns it. Models
-contract with `einsum('...i,oi->...o')` instead of transposing, so no copy is made here.
+Linear weight and `[E, out, in]` for an expert stack, exactly as gguf-py returns it. Nothing
+is transposed here: the loader stores a `Linear` weight as the transpose `[in, out]` (see
+`models/primitives.py` for why), experts and embeddings as they are.
 """
 
 from __future__ import annotations

@@ -91,10 +91,6 @@ class ModelConfig:
     """GGUF block index of the NextN block: it follows the trunk."""
     return self.n_layers
 
-  @property
-  def partial_rotary_factor(self) -> float:
-    return self.rope_dims / self.head_dim
-
   def is_moe_layer(self, layer: int) -> bool:
     return layer >= self.leading_dense and self.n_experts > 0
 

@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtpjax.models import yarn
+from mtpjax.models import kv_cache, yarn
 from mtpjax.models.config import ModelConfig
-from mtpjax.models.layers import _param, linear, linear_param, live_slots, write_rows
+from mtpjax.models.primitives import Linear, zeros_param
 
 K_NORM_EPS = 1e-6   # HF's indexer LayerNorm eps; GGUF stores no key for it
 
@@ -64,11 +64,11 @@ class Indexer(nnx.Module):
   def __init__(self, cfg: ModelConfig, dtype):
     self.cfg = cfg
     hi, di = cfg.indexer_heads, cfg.indexer_dim
-    self.wq_b = linear_param(cfg.q_lora_rank, hi * di, dtype)
-    self.wk = linear_param(cfg.hidden, di, dtype)
-    self.k_norm_weight = _param((di,), jnp.float32)
-    self.k_norm_bias = _param((di,), jnp.float32)
-    self.proj = linear_param(cfg.hidden, hi, dtype)
+    self.wq_b = Linear(cfg.q_lora_rank, hi * di, dtype)
+    self.wk = Linear(cfg.hidden, di, dtype)
+    self.k_norm_weight = zeros_param((di,), jnp.float32)
+    self.k_norm_bias = zeros_param((di,), jnp.float32)
+    self.proj = Linear(cfg.hidden, hi, dtype)
 
   def __call__(self, x, q_resid, positions, key_cache):
     """x: attention input [B, T, D]; q_resid: normalised q latent [B, T, q_lora].
@@ -79,12 +79,11 @@ class Indexer(nnx.Module):
     if not cfg.sparse_at(key_cache.shape[1]):
       return None, key_cache     # every visible row is kept: exactly dense MLA
     b, t, _ = x.shape
-    q = linear(q_resid, self.wq_b[...]).reshape(b, t, cfg.indexer_heads, cfg.indexer_dim)
+    q = self.wq_b(q_resid).reshape(b, t, cfg.indexer_heads, cfg.indexer_dim)
     q = _rope_front(q, positions, cfg)
-    k = layer_norm(linear(x, self.wk[...]), self.k_norm_weight[...], self.k_norm_bias[...],
-                   K_NORM_EPS)
-    k = _rope_front(k[:, :, None], positions, cfg)
-    key_cache = write_rows(key_cache, k, positions[:, 0])
-    weights = linear(x, self.proj[...]).astype(jnp.float32) * cfg.indexer_heads ** -0.5
-    scores = index_scores(q, live_slots(key_cache, b)[:, :, 0], weights)
+    k = layer_norm(self.wk(x), self.k_norm_weight[...], self.k_norm_bias[...], K_NORM_EPS)
+    keys, key_cache = kv_cache.append_rows(key_cache, _rope_front(k[:, :, None], positions, cfg),
+                                           positions)
+    weights = self.proj(x).astype(jnp.float32) * cfg.indexer_heads ** -0.5
+    scores = index_scores(q, keys, weights)
     return select_top_rows(scores, positions, cfg.indexer_topk), key_cache

@@ -20,7 +20,7 @@ def weight_mb_per_step(params, cfg: ModelConfig, slots: int = 1) -> dict[str, fl
   (tied) head. On a host bound by memory bandwidth (a CPU) the ratio of the two bounds what
   drafting can gain: about tokens_per_target_pass / ratio.
   """
-  # Parameter paths as the loader writes them, e.g. ('layers', 1, 'ffn', 'gate_exps').
+  # Parameter paths as the loader writes them, e.g. ('layers', 1, 'ffn', 'experts', 'gate_exps').
   sizes = {path: leaf[...].nbytes for path, leaf in nnx.to_flat_state(params)}
 
   def read(part: str, rows: int, skip: tuple[str, ...] = ()) -> float:
@@ -34,8 +34,8 @@ def weight_mb_per_step(params, cfg: ModelConfig, slots: int = 1) -> dict[str, fl
       total += size
     return total
 
-  head = sizes.get(("head",)) or sizes[("embed",)]      # a tied head is the embedding table
-  mtp_head = sizes.get(("mtp", "head")) or head          # else the NextN block uses the trunk's
+  head = sizes.get(("head", "weight")) or sizes[("embed",)]   # a tied head is the embeddings
+  mtp_head = sizes.get(("mtp", "head", "weight")) or head       # else the NextN uses the trunk's
   trunk = lambda rows: read("layers", rows) + read("output_norm", rows)
   plain = trunk(slots) + head
   draft = read("mtp", 2 * slots, skip=("embed", "head")) + mtp_head

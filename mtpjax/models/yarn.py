@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from mtpjax.models.config import ModelConfig
-from mtpjax.models.layers import rope_interleaved
+from mtpjax.models.primitives import rope_interleaved
 
 # llama.cpp's defaults; its deepseek2/glm-dsa loaders read no `yarn_beta_*` keys.
 BETA_FAST = 32.0

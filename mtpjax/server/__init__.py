@@ -15,8 +15,8 @@ from absl import logging
 
 import mtpjax
 from mtpjax import distributed, embedded, errors, speculative
-from mtpjax.engine.decode import warm_up
-from mtpjax.engine.generate import AdaptiveDrafting, SlotScheduler
+from mtpjax.engine.contract import warm_up
+from mtpjax.engine.scheduler import AdaptiveDrafting, SlotScheduler
 from mtpjax.gguf.tokenizer import ChatTemplate, GgufTokenizer
 from mtpjax.server.app import SamplingDefaults, Service, create_app
 from mtpjax.server.metrics import ServerMetrics

@@ -22,7 +22,7 @@ from fastapi import responses
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mtpjax import errors
-from mtpjax.engine.generate import Request
+from mtpjax.engine.scheduler import Request
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.gguf.tokenizer import ChatTemplate, GgufTokenizer
 from mtpjax.runtime_options import GenerationSettings

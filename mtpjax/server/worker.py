@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from absl import logging
 
-from mtpjax.engine.generate import Request, Result, SlotScheduler
+from mtpjax.engine.scheduler import Request, Result, SlotScheduler
 from mtpjax.telemetry import MtpStats
 
 

@@ -251,7 +251,7 @@ def glm_tokenizer_metadata(tokens: list[str], token_types: list[int],
   }
 
 
-def _add_tokenizer(w: gguf.GGUFWriter, meta: dict[str, Any]) -> None:
+def add_tokenizer(w: gguf.GGUFWriter, meta: dict[str, Any]) -> None:
   w.add_tokenizer_model(meta["tokenizer.ggml.model"])
   w.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
   w.add_token_list(meta["tokenizer.ggml.tokens"])
@@ -535,7 +535,7 @@ def write_glm_gguf(path: str | os.PathLike, spec: TinyGlmSpec, tensors: dict[str
       else:
         w.add_tensor(name, data)
     _add_model_keys(w, spec, model_name)
-    _add_tokenizer(w, tokenizer_metadata)
+    add_tokenizer(w, tokenizer_metadata)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -18,7 +18,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from mtpjax.testing.tiny_glm import _add_tokenizer, tiny_tokenizer_metadata
+from mtpjax.testing.tiny_glm import add_tokenizer, tiny_tokenizer_metadata
 
 ARCH = "glm-dsa"
 
@@ -134,7 +134,7 @@ def write_tiny_dsa_gguf(path: str | os.PathLike, spec: TinyDsaSpec = TinyDsaSpec
     w.add_key_value(f"{ARCH}.attention.indexer.key_length", spec.indexer_dim, u32)
     w.add_key_value(f"{ARCH}.attention.indexer.top_k", spec.index_topk, u32)
     w.add_array(f"{ARCH}.attention.indexer.types", list(spec.indexer_types))
-    _add_tokenizer(w, tiny_tokenizer_metadata(spec.vocab_size))
+    add_tokenizer(w, tiny_tokenizer_metadata(spec.vocab_size))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

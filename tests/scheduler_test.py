@@ -1,4 +1,4 @@
-"""Tests for mtpjax.engine.generate: continuous batching, MTP on vs off, stops, budgets, stats.
+"""Tests for mtpjax.engine.scheduler: continuous batching, MTP on vs off, stops, budgets, stats.
 
 The reference for every request is the same request served alone with MTP off. The counters are
 checked against identities and against a replay of the draft rule over the final output, with
@@ -15,9 +15,9 @@ from absl.testing import absltest, parameterized
 
 import mtpjax
 from mtpjax import errors
-from mtpjax.engine.decode import warm_up
-from mtpjax.engine import generate
-from mtpjax.engine.generate import AdaptiveDrafting, DraftingCost, Request, SlotScheduler
+from mtpjax.engine.contract import warm_up
+from mtpjax.engine import scheduler as scheduler_lib
+from mtpjax.engine.scheduler import AdaptiveDrafting, DraftingCost, Request, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.telemetry import MtpStats
 from mtpjax.testing.tiny_glm import TinyGlmSpec, write_tiny_glm_gguf
@@ -30,7 +30,7 @@ SAMPLED = dict(temperature=0.8, top_k=0, top_p=0.9)
 @functools.cache
 def tiny_model():
   """One generated model (MTP head copying the trunk) shared by every class in this file."""
-  tmp = tempfile.TemporaryDirectory(prefix="generate_test.")
+  tmp = tempfile.TemporaryDirectory(prefix="scheduler_test.")
   path = write_tiny_glm_gguf(Path(tmp.name) / "tiny.gguf",
                              TinyGlmSpec(mtp_copies_trunk=True, seed=7))[0]
   return mtpjax.load(str(path)), tmp
@@ -265,9 +265,11 @@ class SlotPauseTest(absltest.TestCase):
     self.assertEqual((first.paused_steps, second.paused_steps), (0, 1))
     while scheduler.busy:
       scheduler.step()
-      # The engine keeps the scheduler's lag on the host: no read-back before drafting.
-      np.testing.assert_array_equal(scheduler.engine._known_lag(scheduler.state),
-                                    np.asarray(scheduler.state.mtp_lag))
+      # The state keeps the lag on the host too: no read-back before drafting.
+      state = scheduler.state
+      np.testing.assert_array_equal(
+          np.concatenate(state.mtp_lag),
+          np.concatenate([np.asarray(g.head.slots.mtp_lag) for g in state.groups]))
     reference = [r.tokens for r in serve(False, requests, slots=2)[0]]
     self.assertEqual([done[0].tokens, done[1].tokens], reference)
 
@@ -275,7 +277,7 @@ class SlotPauseTest(absltest.TestCase):
     policy = AdaptiveDrafting(window=2, min_accept_rate=0.5, cooldown=3, max_backoff=4,
                               cost_aware=False)
     scheduler = SlotScheduler(engine(True), adaptive=policy)
-    live = generate._Live(request=Request(prompt=np.ones(1, np.int32), max_new_tokens=1),
+    live = scheduler_lib._Live(request=Request(prompt=np.ones(1, np.int32), max_new_tokens=1),
                           done=lambda r: None, started=0.0)
     pauses = []
     outcomes = [False] * 8 + [True, True, False, False]
@@ -313,6 +315,9 @@ class SlowStepEngine:
     if bool(np.asarray(drafting)[np.asarray(active)].any()) == self.slow_drafting:
       time.sleep(self.delay)
     return self.engine.step(state, active, drafting)
+
+  def free(self, state, slot):
+    return self.engine.free(state, slot)
 
 
 class CostAwareDraftingTest(parameterized.TestCase):

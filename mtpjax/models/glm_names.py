@@ -1,7 +1,9 @@
 """GGUF tensor name -> model parameter path (llama.cpp `glm4moe`, `deepseek2`, `glm-dsa` names).
 
-Paths index the NNX state of `mtpjax.models.glm4_moe.GlmModel` for one `StageLayout`. A fused
-`attn_qkv` tensor maps to three targets, each a row slice of the source (rows ordered q, k, v).
+Paths index the NNX state of the GLM model (`models/glm4_moe.py`) for one `StageLayout`: a
+projection is a `Linear` module (`.../wq/weight`, `.../wq/bias`), experts an `Experts` module. A
+fused `attn_qkv` tensor maps to three targets, each a row slice of the source (rows ordered q,
+k, v).
 """
 
 from __future__ import annotations
@@ -12,58 +14,58 @@ import re
 import numpy as np
 
 from mtpjax.models.config import ModelConfig
-from mtpjax.models.glm4_moe import StageLayout
+from mtpjax.models.interface import StageLayout
 
 _BLOCK = {
     "attn_norm.weight": ("attn_norm", "weight"),
-    "attn_q.weight": ("attn", "wq"),
-    "attn_q.bias": ("attn", "bq"),
-    "attn_k.weight": ("attn", "wk"),
-    "attn_k.bias": ("attn", "bk"),
-    "attn_v.weight": ("attn", "wv"),
-    "attn_v.bias": ("attn", "bv"),
-    "attn_output.weight": ("attn", "wo"),
+    "attn_q.weight": ("attn", "wq", "weight"),
+    "attn_q.bias": ("attn", "wq", "bias"),
+    "attn_k.weight": ("attn", "wk", "weight"),
+    "attn_k.bias": ("attn", "wk", "bias"),
+    "attn_v.weight": ("attn", "wv", "weight"),
+    "attn_v.bias": ("attn", "wv", "bias"),
+    "attn_output.weight": ("attn", "wo", "weight"),
     "attn_q_norm.weight": ("attn", "q_norm", "weight"),
     "attn_k_norm.weight": ("attn", "k_norm", "weight"),
     "post_attention_norm.weight": ("ffn_norm", "weight"),
     "ffn_norm.weight": ("ffn_norm", "weight"),          # deepseek2 / glm-dsa name
     # MLA (deepseek2, glm-dsa; MODEL.md §8)
-    "attn_q_a.weight": ("attn", "wq_a"),
+    "attn_q_a.weight": ("attn", "wq_a", "weight"),
     "attn_q_a_norm.weight": ("attn", "q_a_norm", "weight"),
-    "attn_q_b.weight": ("attn", "wq_b"),
-    "attn_kv_a_mqa.weight": ("attn", "wkv_a"),
+    "attn_q_b.weight": ("attn", "wq_b", "weight"),
+    "attn_kv_a_mqa.weight": ("attn", "wkv_a", "weight"),
     "attn_kv_a_norm.weight": ("attn", "kv_a_norm", "weight"),
-    "attn_k_b.weight": ("attn", "wk_b"),
-    "attn_v_b.weight": ("attn", "wv_b"),
-    "ffn_gate.weight": ("ffn", "gate"),
-    "ffn_up.weight": ("ffn", "up"),
-    "ffn_down.weight": ("ffn", "down"),
-    "ffn_gate_inp.weight": ("ffn", "router"),
+    "attn_k_b.weight": ("attn", "wk_b", "weight"),
+    "attn_v_b.weight": ("attn", "wv_b", "weight"),
+    "ffn_gate.weight": ("ffn", "gate", "weight"),
+    "ffn_up.weight": ("ffn", "up", "weight"),
+    "ffn_down.weight": ("ffn", "down", "weight"),
+    "ffn_gate_inp.weight": ("ffn", "router", "weight"),
     "exp_probs_b.bias": ("ffn", "router_bias"),
-    "ffn_gate_exps.weight": ("ffn", "gate_exps"),
-    "ffn_up_exps.weight": ("ffn", "up_exps"),
-    "ffn_down_exps.weight": ("ffn", "down_exps"),
-    "ffn_gate_shexp.weight": ("ffn", "shared", "gate"),
-    "ffn_up_shexp.weight": ("ffn", "shared", "up"),
-    "ffn_down_shexp.weight": ("ffn", "shared", "down"),
+    "ffn_gate_exps.weight": ("ffn", "experts", "gate_exps"),
+    "ffn_up_exps.weight": ("ffn", "experts", "up_exps"),
+    "ffn_down_exps.weight": ("ffn", "experts", "down_exps"),
+    "ffn_gate_shexp.weight": ("ffn", "shared", "gate", "weight"),
+    "ffn_up_shexp.weight": ("ffn", "shared", "up", "weight"),
+    "ffn_down_shexp.weight": ("ffn", "shared", "down", "weight"),
 }
 
 # glm-dsa lightning indexer (MODEL.md §9); only layers that run their own indexer load these.
 _INDEXER = {
-    "indexer.attn_q_b.weight": ("attn", "indexer", "wq_b"),
-    "indexer.attn_k.weight": ("attn", "indexer", "wk"),
+    "indexer.attn_q_b.weight": ("attn", "indexer", "wq_b", "weight"),
+    "indexer.attn_k.weight": ("attn", "indexer", "wk", "weight"),
     "indexer.k_norm.weight": ("attn", "indexer", "k_norm_weight"),
     "indexer.k_norm.bias": ("attn", "indexer", "k_norm_bias"),
-    "indexer.proj.weight": ("attn", "indexer", "proj"),
+    "indexer.proj.weight": ("attn", "indexer", "proj", "weight"),
 }
 
 _NEXTN = {
-    "eh_proj.weight": ("mtp", "eh_proj"),
+    "eh_proj.weight": ("mtp", "eh_proj", "weight"),
     "enorm.weight": ("mtp", "enorm", "weight"),
     "hnorm.weight": ("mtp", "hnorm", "weight"),
     "shared_head_norm.weight": ("mtp", "head_norm", "weight"),
     "embed_tokens.weight": ("mtp", "embed"),
-    "shared_head_head.weight": ("mtp", "head"),
+    "shared_head_head.weight": ("mtp", "head", "weight"),
 }
 
 _BLK = re.compile(r"blk\.(\d+)\.(.+)")
@@ -100,12 +102,11 @@ def _block_targets(prefix: tuple, suffix: str, cfg: ModelConfig, layer: int) -> 
     q = cfg.n_heads * cfg.head_dim
     k = cfg.n_kv_heads * cfg.head_dim
     v = cfg.n_kv_heads * cfg.value_dim
-    names = ("wq", "wk", "wv") if kind == "weight" else ("bq", "bk", "bv")
     bounds = ((0, q), (q, q + k), (q + k, q + k + v))
-    return [Target(prefix + ("attn", n), b) for n, b in zip(names, bounds)]
+    return [Target(prefix + ("attn", n, kind), b) for n, b in zip(("wq", "wk", "wv"), bounds)]
   if suffix == "attn_kv_b.weight" and cfg.is_mla:
     nope = cfg.head_dim - cfg.rope_dims
-    return [Target(prefix + ("attn", name), kv_b=half, heads=cfg.n_heads, nope=nope)
+    return [Target(prefix + ("attn", name, "weight"), kv_b=half, heads=cfg.n_heads, nope=nope)
             for name, half in (("wk_b", "k"), ("wv_b", "v"))]
   if suffix in _BLOCK:
     return [Target(prefix + _BLOCK[suffix])]
@@ -119,7 +120,7 @@ def targets_for(name: str, cfg: ModelConfig, layout: StageLayout) -> list[Target
   if name == "output_norm.weight":
     return [Target(("output_norm", "weight"))] if layout.output else []
   if name == "output.weight":
-    return [Target(("head",))] if layout.output else []
+    return [Target(("head", "weight"))] if layout.output else []
   match = _BLK.fullmatch(name)
   if not match:
     return []

@@ -18,7 +18,8 @@ from typing import Callable, Iterable
 import numpy as np
 
 from mtpjax import errors
-from mtpjax.engine.decode import ACCEPTED, CATCH_UP_ROWS, COUNT, TOKEN_A, TOKEN_B, Engine
+from mtpjax.engine.contract import ACCEPTED, COUNT, TOKEN_A, TOKEN_B, DecodeEngine
+from mtpjax.engine.state import CATCH_UP_ROWS
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.telemetry import MtpStats
 
@@ -164,7 +165,7 @@ class _Live:
 class SlotScheduler:
   """Runs requests over the engine's slots until all are done."""
 
-  def __init__(self, engine: Engine, adaptive: AdaptiveDrafting | None = AdaptiveDrafting()):
+  def __init__(self, engine: DecodeEngine, adaptive: AdaptiveDrafting | None = AdaptiveDrafting()):
     self.engine = engine
     self.adaptive = adaptive
     self.cost = DraftingCost.of(engine)
@@ -236,6 +237,7 @@ class SlotScheduler:
   def _finish(self, index: int, reason: str) -> None:
     live = self.slots[index]
     self.slots[index] = None
+    self.state = self.engine.free(self.state, index)
     c = live.counts
     if self.native_mtp and self._drafts(live):
       c["drafted"] += 1             # the last draft, dropped unverified

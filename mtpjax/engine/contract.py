@@ -1,0 +1,146 @@
+"""The engine contract the scheduler, `warm_up` and the server rely on (JetStream's
+`prefill` -> `insert` -> `step` -> `free`), and the settings an engine compiles for.
+
+Everything that varies per request (positions, sampler settings, drafts, keys) is an array, so
+each prefill bucket compiles once and a step compiles once per slot bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from mtpjax import errors
+from mtpjax.engine.sampling import SamplerParams
+from mtpjax.models.config import ModelConfig
+
+# ResultTokens columns: one int32 [B, 4] array per step means one device->host copy.
+TOKEN_A, TOKEN_B, COUNT, ACCEPTED = range(4)
+# Prompt buckets of an engine built without explicit ones (those that fit its cache are kept).
+DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def pow2_bucket(n: int, minimum: int = 16) -> int:
+  """The smallest power-of-two length >= n (and >= minimum): padded shapes compile once each."""
+  size = minimum
+  while size < n:
+    size *= 2
+  return size
+
+
+def counted(trace_counts: dict[str, int], name: str, fn: Callable) -> Callable:
+  """`fn`, counting its traces under `name` (tests assert one trace per shape).
+
+  `wraps` keeps fn's signature visible to jax.jit: without it `donate_argnames` cannot find
+  the donated arguments among positional ones and silently donates nothing.
+  """
+  @functools.wraps(fn)
+  def traced(*args, **kwargs):
+    trace_counts[name] = trace_counts.get(name, 0) + 1
+    return fn(*args, **kwargs)
+  return traced
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  slots: int = 1
+  max_len: int = 512                       # prompt + generated tokens per sequence
+  prefill_buckets: tuple[int, ...] = DEFAULT_PREFILL_BUCKETS[:6]
+  native_mtp: bool = False
+  timing: bool = False                     # sync after verify and draft to time them
+
+  @classmethod
+  def with_default_buckets(cls, *, max_len: int, **kwargs) -> "EngineConfig":
+    cache_len = max_len + 2
+    return cls(max_len=max_len, prefill_buckets=tuple(
+        b for b in DEFAULT_PREFILL_BUCKETS if b <= cache_len), **kwargs)
+
+  @property
+  def cache_len(self) -> int:
+    """Two spare rows hold the verify and draft rows of the last step."""
+    return self.max_len + 2
+
+  def padded_prompt(self, prompt) -> tuple[np.ndarray, int]:
+    """(tokens [1, bucket], prompt length): the bucket leaves one row for the first sampled
+    token's MTP row; an empty prompt or one without room to generate is refused."""
+    prompt = np.asarray(prompt, np.int32).reshape(-1)
+    if prompt.size == 0:
+      raise errors.MtpjaxError("the prompt is empty", field="prompt",
+                               remedy="pass at least one token id")
+    if prompt.size >= self.max_len:
+      raise errors.MtpjaxError(
+          f"a prompt of {prompt.size} tokens leaves no room in max_len {self.max_len}",
+          field="prompt", remedy="shorten the prompt or raise engine.max_len")
+    tokens = np.zeros((1, self.bucket_for(prompt.size + 1)), np.int32)
+    tokens[0, :prompt.size] = prompt
+    return tokens, int(prompt.size)
+
+  def check_model(self, cfg: ModelConfig) -> None:
+    if self.native_mtp and not cfg.has_mtp:
+      raise errors.SpeculativeConfigError(
+          "native MTP requested but the model has no NextN block", field="native_mtp",
+          remedy="set the speculative strategy to disabled")
+
+  def bucket_for(self, length: int) -> int:
+    for bucket in self.prefill_buckets:
+      if bucket >= length and bucket <= self.cache_len:
+        return bucket
+    raise errors.MtpjaxError(
+        f"a prompt of {length - 1} tokens does not fit the prefill buckets "
+        f"{self.prefill_buckets} (max_len {self.max_len})", field="engine.prefill_buckets",
+        remedy="shorten the prompt or raise engine.max_len and engine.prefill_buckets")
+
+
+def slot_buckets(slots: int) -> tuple[int, ...]:
+  """The slot counts a step compiles for over `slots` slots: powers of two below it, and it."""
+  return tuple(sorted({min(2 ** i, slots) for i in range(slots.bit_length() + 1)}))
+
+
+class DecodeEngine(Protocol):
+  """What runs requests over a fixed set of slots.
+
+  A prefix (`prefill`) is inserted into a slot of the state; `step` advances every active slot
+  and returns ResultTokens [slots, 4] (TOKEN_A, TOKEN_B, COUNT, ACCEPTED) and timings; `free`
+  releases a finished slot. With native MTP, `drafting` [slots] says which slots use their
+  draft, and `catch_up` brings paused slots' MTP caches up to date.
+  """
+  engine_cfg: EngineConfig
+  trace_counts: dict[str, int]
+
+  def warm_up_schedule(self) -> list[np.ndarray]:
+    """Active-slot masks whose steps compile every step shape this engine can run."""
+
+  def init_state(self) -> Any: ...
+
+  def prefill(self, prompt: np.ndarray, sampler: SamplerParams) -> Any: ...
+
+  def insert(self, prefix: Any, state: Any, slot: int) -> Any: ...
+
+  def step(self, state: Any, active: np.ndarray, drafting: np.ndarray | None = None
+           ) -> tuple[Any, np.ndarray, dict]: ...
+
+  def catch_up(self, state: Any, active: np.ndarray) -> Any: ...
+
+  def free(self, state: Any, slot: int) -> Any: ...
+
+
+def warm_up(engine: DecodeEngine) -> None:
+  """Compile every prefill bucket and every step variant of an engine now, not under the first
+  requests. Runs on a throwaway state with every slot inactive but the one that sets a step's
+  slot count."""
+  ec = engine.engine_cfg
+  state = engine.init_state()
+  for bucket in ec.prefill_buckets:
+    if bucket - 1 < ec.max_len and bucket <= ec.cache_len:
+      state = engine.insert(engine.prefill(np.zeros(bucket - 1, np.int32), SamplerParams()),
+                            state, 0)
+  for reach in engine.warm_up_schedule():
+    if not ec.native_mtp:
+      state, _, _ = engine.step(state, reach)
+      continue
+    for drafting in (np.ones(ec.slots, bool), np.zeros(ec.slots, bool)):
+      state, _, _ = engine.step(state, reach, drafting)
+    state = engine.catch_up(state, reach)   # the missing MTP rows, before drafting again

@@ -1,0 +1,342 @@
+"""The engine: jitted prefill, insert and decode / verify+draft steps over the stages of a plan.
+
+A single device (or a tensor-sharded mesh) is the plan of one stage that owns everything; a
+pipeline splits the model over several (DECODE.md §7 form B). Each stage is jitted on its own
+sub-mesh; activations hop stage to stage (`pipeline_hops.py`), with the glm-dsa row selection
+when the next stage starts on a layer that reuses it (`StageLayout.takes_selection`). Slots are
+split into one group per stage (microbatches), and JAX's asynchronous dispatch lets stage s work
+on one group while s + 1 works on the previous one.
+
+A step computes only each group's slots up to its highest active one, rounded up to a power of
+two (`slots_for`): one compile per slot bucket, all made by `warm_up`. Caches and the head state
+are donated, so they are updated in place. The head side of a step (sampling, verify, draft,
+commit, paused drafting with catch-up) is `steps.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mtpjax.engine import steps
+from mtpjax.engine.contract import EngineConfig, counted, slot_buckets
+from mtpjax.engine.plan import group_bounds, selection_like
+from mtpjax.engine.sampling import SamplerParams
+from mtpjax.engine.state import EngineState, Group, HeadState, Prefix, sampler_arrays
+from mtpjax.models import registry
+from mtpjax.models.config import ModelConfig
+from mtpjax.models.interface import StageLayout, stage_forward
+
+
+def _ints(*shape) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+
+def _insert_fn(prefix, state, slot):
+  """`state` with slot `slot` replaced by the one-slot `prefix` (same tree structure)."""
+  put = lambda dst, src: jax.lax.dynamic_update_index_in_dim(dst, src[0], slot, axis=0)
+  return jax.tree.map(put, state, prefix)
+
+
+class Engine:
+  """Compiled steps for one model over its stages and a fixed slot count (a `DecodeEngine`).
+
+  `stage_weights` holds each stage's (graphdef, state), None for stages another process owns.
+  """
+
+  def __init__(self, stage_weights: Sequence, layouts: Sequence[StageLayout], hops,
+               cfg: ModelConfig, engine_cfg: EngineConfig, *, dtype=jnp.float32):
+    engine_cfg.check_model(cfg)
+    self.layouts = list(layouts)
+    self.hops = hops
+    self.cfg = cfg
+    self.engine_cfg = engine_cfg
+    self.dtype = dtype
+    self.last = len(self.layouts) - 1
+    self.bounds = group_bounds(engine_cfg.slots, len(self.layouts))
+    self._buckets = {hi - lo: slot_buckets(hi - lo) for lo, hi in self.bounds}
+    self.slot_buckets = self._buckets[max(self._buckets)]
+    # Steps take each stage's parameters as a flat list of arrays: flattening an nnx.State
+    # (Python callbacks per Variable) on every call costs a few hundred microseconds a step.
+    self._graphdefs = [None if w is None else w[0] for w in stage_weights]
+    flat = [None if w is None else jax.tree.flatten(w[1]) for w in stage_weights]
+    self._leaves = [None if f is None else f[0] for f in flat]
+    self._treedefs = [None if f is None else f[1] for f in flat]
+    self.trace_counts: dict[str, int] = {}
+    jit = lambda name, fn, donate=(): jax.jit(counted(self.trace_counts, name, fn),
+                                              donate_argnames=donate)
+    per_stage = lambda name, fn, donate=(): [jit(name, functools.partial(fn, s), donate)
+                                             for s in range(len(self.layouts))]
+    self._prefill = per_stage("prefill", self._prefill_fn)
+    self._insert = jit("insert", _insert_fn, ("state",))
+    kinds = ("verify_draft", "plain") if engine_cfg.native_mtp else ("decode",)
+    self._steps = {kind: per_stage(kind, functools.partial(self._step_fn, kind=kind),
+                                   ("kv", "head")) for kind in kinds}
+    # Timing splits a drafting step's last stage in two jits, synced after each.
+    self._verify = jit("verify", functools.partial(self._step_fn, self.last, kind="verify"),
+                       ("kv",))
+    self._draft = jit("draft", self._draft_fn, ("head",))
+    self._catch_up = jit("catch_up", self._catch_up_fn, ("head",))
+
+  def _model(self, s: int, leaves):
+    return nnx.merge(self._graphdefs[s], jax.tree.unflatten(self._treedefs[s], leaves))
+
+  def _width(self, batch: int, tokens: int) -> tuple:
+    """Shapes of one hop: the activation [B, T, D] and its positions [B, T]."""
+    return (jax.ShapeDtypeStruct((batch, tokens, self.cfg.hidden), self.dtype),
+            _ints(batch, tokens))
+
+  def _selection_like(self, s: int, batch: int, tokens: int):
+    return selection_like(self.layouts[s], self.cfg, batch, tokens, self.engine_cfg.cache_len)
+
+  def _hands_selection(self, s: int) -> bool:
+    """Whether stage `s` passes its last row selection on (the next stage reuses it)."""
+    return s < self.last and self.layouts[s + 1].takes_selection(self.cfg,
+                                                                 self.engine_cfg.cache_len)
+
+  # --- state --------------------------------------------------------------------------------
+
+  def init_state(self) -> EngineState:
+    cfg, ec = self.cfg, self.engine_cfg
+    groups = []
+    for lo, hi in self.bounds:
+      kv = [None] * len(self.layouts)
+      for s, layout in enumerate(self.layouts):
+        if self.hops.local(s):
+          shapes = registry.cache_shapes(cfg, layout.layer_end - layout.layer_start, hi - lo,
+                                         ec.cache_len)
+          kv[s] = jax.device_put([(np.zeros(k, self.dtype), np.zeros(v, self.dtype))
+                                  for k, v in shapes], self.hops.shardings[s])
+      head = None
+      if self.hops.local(self.last):
+        head = jax.device_put(steps.empty_head(cfg, ec, hi - lo, self.dtype),
+                              self.hops.shardings[self.last])
+      groups.append(Group(kv=kv, head=head))
+    lag = [np.zeros(hi - lo, np.int32) for lo, hi in self.bounds] if ec.native_mtp else None
+    return EngineState(groups, lag)
+
+  def warm_up_schedule(self) -> list[np.ndarray]:
+    """One live slot at k - 1 of a group makes a step over its first k slots."""
+    masks = []
+    for lo, hi in self.bounds:
+      for k in self._buckets[hi - lo]:
+        reach = np.zeros(self.engine_cfg.slots, bool)
+        reach[lo + k - 1] = True
+        masks.append(reach)
+    return masks
+
+  def slots_for(self, live: np.ndarray) -> int:
+    """How many leading slots of a group a step computes: the smallest bucket that holds every
+    active one. A step costs what its slots cost, live or not, and the scheduler fills the
+    lowest slots first."""
+    index = np.flatnonzero(live)
+    need = int(index[-1]) + 1 if index.size else 1
+    return next(k for k in self._buckets[len(live)] if k >= need)
+
+  # --- prefill ------------------------------------------------------------------------------
+
+  def _prefill_fn(self, s: int, leaves, inp, extra):
+    """Stage `s` over a whole prompt (tokens, or the hop's (x, selection)); the last stage
+    also samples and drafts (`extra`)."""
+    model = self._model(s, leaves)
+    x, kv, selection = steps.fresh_forward(model, inp, self.engine_cfg.cache_len)
+    if not self.layouts[s].output:
+      return (x, selection if self._hands_selection(s) else None), kv
+    tokens, length, sampler = extra
+    return steps.prefill_commit(model, self.engine_cfg, tokens, x, length, sampler), kv
+
+  def prefill(self, prompt: np.ndarray, sampler: SamplerParams) -> Prefix:
+    """Run a prompt; the bucket leaves one row for the first sampled token's MTP row."""
+    tokens, length = self.engine_cfg.padded_prompt(prompt)
+    extra = (tokens, np.int32(length), sampler_arrays(sampler.validate()))
+    kv = [None] * len(self.layouts)
+    x, head, t = tokens, None, tokens.shape[1]
+    for s in range(len(self.layouts)):
+      if s > 0:
+        x = self.hops.move(x, s - 1, s,
+                           like=(self._width(1, t)[0], self._selection_like(s, 1, t)))
+      if not self.hops.local(s):
+        continue
+      out, kv[s] = self._prefill[s](self._leaves[s], x, extra if s == self.last else None)
+      if s == self.last:
+        head = out
+      else:
+        x = out
+    current = self.hops.share(None if head is None else head.slots.current, self.last,
+                              like=_ints(1))
+    return Prefix(kv=kv, head=head, current=current)
+
+  def insert(self, prefix: Prefix, state: EngineState, slot: int) -> EngineState:
+    g = next(i for i, (lo, hi) in enumerate(self.bounds) if lo <= slot < hi)
+    group = state.groups[g]
+    local_slot = np.int32(slot - self.bounds[g][0])
+    for s in range(len(self.layouts)):
+      if not self.hops.local(s):
+        continue
+      if s == self.last:
+        group.kv[s], group.head = self._insert((prefix.kv[s], prefix.head),
+                                               (group.kv[s], group.head), local_slot)
+      else:
+        group.kv[s] = self._insert(prefix.kv[s], group.kv[s], local_slot)
+    if state.mtp_lag is not None:
+      state.mtp_lag[g][local_slot] = 0      # a prefilled prompt's MTP KV is complete
+    return state
+
+  def free(self, state: EngineState, slot: int) -> EngineState:
+    """Release a finished slot. Its rows need no clearing (admission rewrites them whole); a
+    freed slot owes no catch-up."""
+    if state.mtp_lag is not None:
+      g = next(i for i, (lo, hi) in enumerate(self.bounds) if lo <= slot < hi)
+      state.mtp_lag[g][slot - self.bounds[g][0]] = 0
+    return state
+
+  # --- steps --------------------------------------------------------------------------------
+
+  def _step_fn(self, s: int, leaves, inp, kv, head: HeadState | None, active, drafting, *,
+               kind: str):
+    """Stage `s` of one step of `kind` over the first active.shape[0] slots of a group.
+
+    `decode` (MTP off) and `plain` (native MTP, no slot drafting) decode one position per
+    slot; `plain` records the row's MTP inputs instead of running the NextN block.
+    `verify_draft` verifies [current, draft] and drafts; `verify` only samples the target's
+    tokens (timing mode, `_draft_fn` commits). The caches stay whole: the model writes and
+    reads only the computed slots' rows.
+    """
+    model = self._model(s, leaves)
+    layout = self.layouts[s]
+    k = active.shape[0]
+    verify = kind in ("verify_draft", "verify")
+    part = head.first(k) if layout.output else None
+    if layout.embeddings:
+      # A single stage reads its inputs from the head state it donates, stage 0 from the hop.
+      current = ((part.slots.current, part.slots.draft, part.slots.pos) if layout.output
+                 else tuple(a[:k] for a in inp))
+      inp, positions = steps.step_inputs(*current, verify=verify)
+    else:
+      x, positions, selection = inp
+      inp = (x, selection)
+    x, kv, selection = stage_forward(model, inp, positions, kv)
+    if not layout.output:
+      return (x, positions, selection if self._hands_selection(s) else None), kv
+    if kind == "verify":
+      return steps.verify_tokens(model, part, x), kv
+    if kind == "verify_draft":
+      part, result = steps.draft_commit(model, part, steps.verify_tokens(model, part, x),
+                                        active, drafting)
+    elif kind == "plain":
+      part, result = steps.plain_commit(model, part, x, active)
+    else:
+      part, result = steps.decode_commit(model, part, x, active)
+    return (head.merge(part), result), kv
+
+  def _draft_fn(self, leaves, head: HeadState, verified, active, drafting):
+    part, result = steps.draft_commit(self._model(self.last, leaves), head.first(active.shape[0]),
+                                      verified, active, drafting)
+    return head.merge(part), result
+
+  def _catch_up_fn(self, leaves, head: HeadState, active):
+    part = steps.catch_up_commit(self._model(self.last, leaves), head.first(active.shape[0]),
+                                 active)
+    return head.merge(part)
+
+  def catch_up(self, state: EngineState, active) -> EngineState:
+    """Bring every active slot's MTP KV (and draft) up to its position after plain steps: the
+    NextN block sits on the last stage, so only that stage's process runs the passes."""
+    if not any(lag.any() for lag in state.mtp_lag):
+      return state          # the common case while drafting: no host work beyond this check
+    active = np.asarray(active, bool)
+    for g, ((lo, hi), group) in enumerate(zip(self.bounds, state.groups)):
+      live = active[lo:hi]
+      passes, state.mtp_lag[g] = steps.catch_up_passes(state.mtp_lag[g], live)
+      if passes and self.hops.local(self.last):
+        act = live[:self.slots_for(live)]
+        for _ in range(passes):
+          group.head = self._catch_up(self._leaves[self.last], group.head, act)
+    return state
+
+  def step(self, state: EngineState, active: np.ndarray, drafting: np.ndarray | None = None
+           ) -> tuple[EngineState, np.ndarray, dict]:
+    """One step for every group; returns the state, ResultTokens [slots, 4] and timings (us).
+
+    With native MTP, `drafting` [B] says which slots use their draft this step (None: all).
+    A slot that does not draft only commits the target's token, so its output is unchanged;
+    when no active slot drafts, a plain step decodes one position without the MTP block, and
+    the next drafting step first catches the MTP KV up (`catch_up`).
+    """
+    # Host arrays go to the compiled steps as they are: jit's own transfer is far cheaper than
+    # a device_put per argument (a few hundred microseconds a step on a CPU host).
+    active = np.asarray(active, bool)
+    kind = "decode"
+    if self.engine_cfg.native_mtp:
+      drafting = np.ones(active.shape, bool) if drafting is None else np.asarray(drafting, bool)
+      kind = ("verify_draft" if (drafting[active].any() if active.any() else drafting.any())
+              else "plain")
+    if kind == "verify_draft":
+      state = self.catch_up(state, active)
+    tokens = 2 if kind == "verify_draft" else 1
+    timings: dict[str, int] = {}
+    results = []
+    for (lo, hi), group in zip(self.bounds, state.groups):
+      live = active[lo:hi]
+      k = self.slots_for(live)
+      act = live[:k]
+      draft_mask = drafting[lo:hi][:k] if self.engine_cfg.native_mtp else None
+      out = None
+      if self.last > 0:   # stage 0 embeds the last stage's tokens
+        slots = None if group.head is None else group.head.slots
+        out = self.hops.move(None if slots is None else (slots.current, slots.draft, slots.pos),
+                             self.last, 0, like=(_ints(hi - lo),) * 3)
+      for s in range(len(self.layouts)):
+        if s > 0:
+          out = self.hops.move(out, s - 1, s, like=self._width(k, tokens) + (
+              self._selection_like(s, k, tokens),))
+        if not self.hops.local(s):
+          continue
+        if s < self.last:
+          out, group.kv[s] = self._steps[kind][s](self._leaves[s], out, group.kv[s], None, act,
+                                                  None)
+        elif kind == "verify_draft" and self.engine_cfg.timing:
+          group.head, result = self._timed_last_stage(group, out, act, draft_mask, timings)
+          results.append(result)
+        else:
+          (group.head, result), group.kv[s] = self._steps[kind][s](
+              self._leaves[s], out, group.kv[s], group.head, act, draft_mask)
+          results.append(result)
+    if kind == "plain":
+      state.mtp_lag = [lag + active[lo:hi] for lag, (lo, hi) in zip(state.mtp_lag, self.bounds)]
+    shared = [self.hops.share(_padded(results[i], hi - lo) if results else None, self.last,
+                              like=_ints(hi - lo, 4))
+              for i, (lo, hi) in enumerate(self.bounds)]
+    return state, np.concatenate([np.asarray(r) for r in shared]), timings
+
+  def _timed_last_stage(self, group: Group, inp, active, drafting, timings: dict):
+    """The last stage of a drafting step as two synced jits: verify, then draft and commit."""
+    leaves = self._leaves[self.last]
+    start = time.perf_counter()
+    verified, group.kv[self.last] = self._verify(leaves, inp, group.kv[self.last], group.head,
+                                                 active, drafting)
+    jax.block_until_ready(verified)
+    mid = time.perf_counter()
+    head, result = self._draft(leaves, group.head, verified, active, drafting)
+    result = np.asarray(result)
+    end = time.perf_counter()
+    for name, seconds in (("verification_compute_us", mid - start),
+                          ("proposal_compute_us", end - mid)):
+      timings[name] = timings.get(name, 0) + int(seconds * 1e6)
+    return head, result
+
+
+def _padded(result, slots: int) -> np.ndarray:
+  """ResultTokens [slots, 4] from a step over a group's first k slots (zeros past them)."""
+  result = np.asarray(result)
+  if result.shape[0] == slots:
+    return result
+  full = np.zeros((slots, result.shape[1]), result.dtype)
+  full[:result.shape[0]] = result
+  return full

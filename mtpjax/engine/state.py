@@ -1,0 +1,107 @@
+"""The decode state: per-slot fields declared once, the last stage's head state, and the
+host-side structure over pipeline stages and slot groups (DECODE.md §3 for the invariant).
+
+Slots are split into groups (microbatches, one per stage in a pipeline, one in all for a single
+stage). Each group holds every stage's trunk caches (None where another process owns the stage)
+and, on the last stage, a `HeadState`: what sampling, verifying and drafting need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import numpy as np
+
+from mtpjax.engine.sampling import SamplerParams, request_key
+
+# MTP rows one catch-up pass writes per slot; the MTP cache and history keep this many spare rows.
+CATCH_UP_ROWS = 16
+
+
+@flax.struct.dataclass
+class Slots:
+  """Everything a step keeps per slot, [B, ...] each. A step over the first k slots cuts and
+  writes back exactly these (`first`, `merge`)."""
+  pos: jax.Array          # [B] position of `current`
+  current: jax.Array      # [B] sampled token not yet in the target KV
+  draft: jax.Array        # [B] MTP draft for position pos + 1
+  h_prev: jax.Array       # [B, D] post-norm target hidden at pos - 1
+  keys: jax.Array         # [B, 2] raw request keys
+  temperature: jax.Array  # [B]
+  top_k: jax.Array        # [B]
+  top_p: jax.Array        # [B]
+  mtp_lag: jax.Array      # [B] rows up to `pos` the MTP KV still lacks (native MTP)
+
+  @classmethod
+  def empty(cls, batch: int, hidden: int, dtype) -> "Slots":
+    zeros = lambda *shape, dt=np.int32: np.zeros(shape, dt)
+    return cls(pos=zeros(batch), current=zeros(batch), draft=zeros(batch),
+               h_prev=zeros(batch, hidden, dt=dtype), keys=zeros(batch, 2, dt=np.uint32),
+               temperature=zeros(batch, dt=np.float32), top_k=zeros(batch),
+               top_p=np.ones((batch,), np.float32), mtp_lag=zeros(batch))
+
+  def first(self, k: int) -> "Slots":
+    """The first k slots."""
+    if k == self.pos.shape[0]:
+      return self
+    return jax.tree.map(lambda a: a[:k], self)
+
+  def merge(self, part: "Slots") -> "Slots":
+    """These slots with the first ones replaced by `part` (a step's result over them)."""
+    k = part.pos.shape[0]
+    if k == self.pos.shape[0]:
+      return part
+    return jax.tree.map(lambda whole, new: whole.at[:k].set(new), self, part)
+
+
+def sampler_arrays(sampler: SamplerParams) -> tuple[np.ndarray, ...]:
+  """(keys, temperature, top_k, top_p) of one request, as [1]-shaped arrays."""
+  return (np.asarray([request_key(sampler.seed)], np.uint32),
+          np.asarray([sampler.temperature], np.float32),
+          np.asarray([sampler.top_k], np.int32),
+          np.asarray([sampler.top_p], np.float32))
+
+
+@flax.struct.dataclass
+class HeadState:
+  """The last stage's state: the slots, and with native MTP (else None) the NextN block's cache
+  and the MTP inputs (token x_p, trunk hidden h_{p-1}) of the rows plain steps committed."""
+  slots: Slots
+  mtp_kv: tuple | None
+  history_tokens: jax.Array | None   # [B, S'] int32
+  history_hidden: jax.Array | None   # [B, S', D]
+
+  def first(self, k: int) -> "HeadState":
+    """The first k slots; the caches stay whole (a step writes and reads only their rows)."""
+    return self.replace(slots=self.slots.first(k))
+
+  def merge(self, part: "HeadState") -> "HeadState":
+    return part.replace(slots=self.slots.merge(part.slots))
+
+
+@dataclasses.dataclass
+class Group:
+  """One group of slots: trunk caches per stage (None where another process owns the stage)
+  and the head state (None off the last stage's process)."""
+  kv: list
+  head: HeadState | None
+
+
+@dataclasses.dataclass
+class EngineState:
+  """The groups, and (native MTP) the host's copy of each group's `mtp_lag`: every process runs
+  the same schedule, so each one knows how many catch-up passes the last stage needs without
+  reading the lag back from it."""
+  groups: list[Group]
+  mtp_lag: list[np.ndarray] | None = None
+
+
+@dataclasses.dataclass
+class Prefix:
+  """A prefilled prompt: one slot's caches per stage and head state; `current` (the first
+  sampled token) is readable on every process."""
+  kv: list
+  head: HeadState | None
+  current: np.ndarray

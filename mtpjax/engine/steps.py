@@ -1,0 +1,195 @@
+"""The head side of every step: sampling, verifying, drafting and committing (DECODE.md §1-§3).
+
+Everything here runs after the trunk's final norm, on the stage that owns the output head and
+the NextN block (the whole model on a single stage), against a `HeadState` over the slots a
+step computes.
+
+With native MTP a drafting step verifies `[current, draft]` in one target pass, samples both
+positions with position-keyed keys, accepts the draft iff the target's own token equals it,
+and drafts the next token from the MTP head over the two new rows. Rows past the committed
+length are never read before they are rewritten, so a rejection needs no rollback.
+
+While no slot drafts, a plain step costs what a step with MTP off costs: the MTP block does not
+run, each committed row's MTP inputs (token, trunk hidden) go to a history buffer and the
+slot's MTP KV falls behind. Before drafting resumes, catch-up passes run the MTP block over the
+missing rows, CATCH_UP_ROWS at a time.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtpjax.engine.contract import EngineConfig
+from mtpjax.engine.sampling import greedy_tokens, sample
+from mtpjax.engine.state import CATCH_UP_ROWS, HeadState, Slots
+from mtpjax.models import registry
+from mtpjax.models.config import ModelConfig
+from mtpjax.models.interface import CausalLM, previous_hidden, stage_forward
+from mtpjax.models.kv_cache import live_slots, write_rows
+
+
+def empty_head(cfg: ModelConfig, engine_cfg: EngineConfig, batch: int, dtype, zeros=np.zeros
+               ) -> HeadState:
+  """A head state of `batch` empty slots (`zeros`: np.zeros, or jnp.zeros inside jit)."""
+  slots = Slots.empty(batch, cfg.hidden, dtype)
+  if not engine_cfg.native_mtp:
+    return HeadState(slots=slots, mtp_kv=None, history_tokens=None, history_hidden=None)
+  rows = mtp_cache_len(engine_cfg)
+  (k, v), = registry.cache_shapes(cfg, 1, batch, rows)
+  return HeadState(slots=slots, mtp_kv=(zeros(k, dtype), zeros(v, dtype)),
+                   history_tokens=zeros((batch, rows), np.int32),
+                   history_hidden=zeros((batch, rows, cfg.hidden), dtype))
+
+
+def mtp_cache_len(engine_cfg: EngineConfig) -> int:
+  """MTP KV and history rows: a catch-up pass writes a whole window past the last row."""
+  return engine_cfg.cache_len + CATCH_UP_ROWS
+
+
+def step_inputs(current, draft, pos, *, verify: bool) -> tuple[jax.Array, jax.Array]:
+  """Tokens [B, T] and positions [B, T] of one step: [current] or, verifying, [current, draft]."""
+  if not verify:
+    return current[:, None], pos[:, None]
+  tokens = jnp.stack([current, draft], axis=1)
+  return tokens, pos[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
+
+
+def fresh_forward(model: CausalLM, inp, cache_len: int) -> tuple[jax.Array, list, jax.Array | None]:
+  """One stage's pass over whole sequences from position 0 on empty caches of `cache_len` rows
+  (a prompt's prefill, or a full-sequence check); `inp` as `interface.stage_forward` takes it."""
+  layout = model.layout
+  batch, length = (inp if layout.embeddings else inp[0]).shape[:2]
+  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (batch, length))
+  kv = registry.init_cache(model.cfg, layout.layer_end - layout.layer_start, batch, cache_len,
+                           model.dtype)
+  return stage_forward(model, inp, positions, kv)
+
+
+def prefill_commit(model: CausalLM, engine_cfg: EngineConfig, tokens, hidden, length,
+                   sampler: tuple) -> HeadState:
+  """Sample the first token from the prompt's last hidden and, with MTP, draft the next one.
+
+  `hidden` [1, bucket, D] is the post-norm trunk output of the prompt `tokens` [1, bucket].
+  """
+  keys, temperature, top_k, top_p = sampler
+  positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+  last = jax.lax.dynamic_index_in_dim(hidden, length - 1, axis=1, keepdims=False)  # [1, D]
+  first = sample(model.lm_logits(last), keys, length[None], temperature, top_k, top_p)
+  head = empty_head(model.cfg, engine_cfg, 1, model.dtype, jnp.zeros)
+  draft = jnp.zeros((1,), jnp.int32)
+  if engine_cfg.native_mtp:
+    mtp_tokens = jax.lax.dynamic_update_index_in_dim(tokens, first, length, axis=1)
+    z, mtp_kv = model.mtp_hidden(mtp_tokens, previous_hidden(hidden), positions, head.mtp_kv)
+    z_last = jax.lax.dynamic_index_in_dim(z, length, axis=1, keepdims=False)
+    draft = greedy_tokens(model.mtp_logits(z_last))
+    head = head.replace(mtp_kv=mtp_kv)
+  return head.replace(slots=Slots(
+      pos=length[None], current=first, draft=draft, h_prev=last, keys=keys,
+      temperature=temperature, top_k=top_k, top_p=top_p, mtp_lag=jnp.zeros((1,), jnp.int32)))
+
+
+def decode_commit(model: CausalLM, head: HeadState, hidden, active
+                  ) -> tuple[HeadState, jax.Array]:
+  """Plain decoding: sample one token per slot from `hidden` [B, 1, D] and commit it."""
+  s = head.slots
+  token = sample(model.lm_logits(hidden[:, 0]), s.keys, s.pos + 1, s.temperature, s.top_k,
+                 s.top_p)
+  zeros = jnp.zeros_like(token)
+  result = jnp.stack([token, zeros, jnp.ones_like(token), zeros], axis=1)
+  slots = s.replace(pos=jnp.where(active, s.pos + 1, s.pos),
+                    current=jnp.where(active, token, s.current), h_prev=hidden[:, 0])
+  return head.replace(slots=slots), result
+
+
+def verify_tokens(model: CausalLM, head: HeadState, hidden
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Sample the target's tokens at both verify positions; (token_a, token_b, hidden)."""
+  s = head.slots
+  logits = model.lm_logits(hidden)                                       # [B, 2, V]
+  batch, rows, vocab = logits.shape
+  # Both positions in one `sample` call: one greedy-or-sampled branch per step (a GPU reads a
+  # conditional's predicate back on the host).
+  per_row = lambda a: jnp.repeat(a, rows, axis=0)
+  positions = s.pos[:, None] + jnp.arange(1, rows + 1, dtype=jnp.int32)[None]
+  tokens = sample(logits.reshape(batch * rows, vocab), per_row(s.keys), positions.reshape(-1),
+                  per_row(s.temperature), per_row(s.top_k), per_row(s.top_p)
+                  ).reshape(batch, rows)
+  return tokens[:, 0], tokens[:, 1], hidden
+
+
+def draft_commit(model: CausalLM, head: HeadState, verified, active, drafting
+                 ) -> tuple[HeadState, jax.Array]:
+  """MTP pass over the two new rows, then commit one or two tokens per slot.
+
+  A slot outside `drafting` never accepts: it commits only the target's own token.
+  Every active slot must be caught up (`mtp_lag` 0), see `Engine.catch_up`.
+  """
+  s = head.slots
+  token_a, token_b, hidden = verified
+  accept = (token_a == s.draft) & drafting
+  rows = jnp.stack([token_a, token_b], axis=1)
+  positions = s.pos[:, None] + jnp.arange(1, 3, dtype=jnp.int32)[None]
+  z, mtp_kv = model.mtp_hidden(rows, hidden, positions, head.mtp_kv)
+  # Only the row of the new `current` drafts; the head (the draft's largest cost) runs once.
+  z_next = jnp.where(accept[:, None], z[:, 1], z[:, 0])
+  draft = greedy_tokens(model.mtp_logits(z_next))                          # [B]
+  step = jnp.where(accept, 2, 1)
+  result = jnp.stack([token_a, token_b, step, accept.astype(jnp.int32)], axis=1)
+  keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+  slots = s.replace(
+      pos=keep(s.pos + step, s.pos),
+      current=keep(jnp.where(accept, token_b, token_a), s.current),
+      draft=keep(draft, s.draft),
+      h_prev=keep(jnp.where(accept[:, None], hidden[:, 1], hidden[:, 0]), s.h_prev))
+  return head.replace(mtp_kv=mtp_kv, slots=slots), result
+
+
+def plain_commit(model: CausalLM, head: HeadState, hidden, active
+                 ) -> tuple[HeadState, jax.Array]:
+  """Commit one sampled token per slot without the MTP block: the new row's MTP inputs
+  (token, h_pos) go to the history and the slot's MTP KV falls one more row behind.
+  The draft is left as it was (a stale draft is only ever rejected).
+
+  Only these steps write the history: the rows a catch-up reads are exactly the rows committed
+  by plain steps since the slot was last caught up.
+  """
+  committed, result = decode_commit(model, head, hidden, active)
+  s = committed.slots
+  start = head.slots.pos + 1
+  return committed.replace(
+      history_tokens=write_rows(head.history_tokens, s.current[:, None], start),
+      history_hidden=write_rows(head.history_hidden, hidden, start),
+      slots=s.replace(mtp_lag=jnp.where(active, s.mtp_lag + 1, s.mtp_lag))), result
+
+
+def catch_up_passes(lag: np.ndarray, live: np.ndarray) -> tuple[int, np.ndarray]:
+  """(catch-up passes that bring every live slot's MTP KV up to date, the lag after them):
+  the host's side of `catch_up_commit`, so no engine reads the lag back from the device."""
+  passes = -(-int(lag[live].max()) // CATCH_UP_ROWS) if live.any() else 0
+  return passes, np.where(live, np.maximum(lag - passes * CATCH_UP_ROWS, 0), lag).astype(np.int32)
+
+
+def catch_up_commit(model: CausalLM, head: HeadState, active) -> HeadState:
+  """Run the MTP block over the next CATCH_UP_ROWS missing rows of each lagging slot.
+
+  Rows past `pos` in the window are written from stale history; like every row past the
+  committed length they are rewritten before they are read. The slot whose window reaches
+  `pos` drafts afresh from its last row.
+  """
+  s = head.slots
+  start = s.pos + 1 - s.mtp_lag                                            # first missing row
+  window = lambda a, first: jax.lax.dynamic_slice_in_dim(a, first, CATCH_UP_ROWS, axis=0)
+  k = start.shape[0]
+  tokens = jax.vmap(window)(live_slots(head.history_tokens, k), start)
+  hidden = jax.vmap(window)(live_slots(head.history_hidden, k), start)
+  positions = start[:, None] + jnp.arange(CATCH_UP_ROWS, dtype=jnp.int32)[None]
+  z, mtp_kv = model.mtp_hidden(tokens, hidden, positions, head.mtp_kv)
+  last = jnp.clip(s.pos - start, 0, CATCH_UP_ROWS - 1)
+  z_last = jnp.take_along_axis(z, last[:, None, None], axis=1)[:, 0]
+  lagging = active & (s.mtp_lag > 0)
+  done = lagging & (s.mtp_lag <= CATCH_UP_ROWS)
+  return head.replace(mtp_kv=mtp_kv, slots=s.replace(
+      mtp_lag=jnp.where(lagging, jnp.maximum(s.mtp_lag - CATCH_UP_ROWS, 0), s.mtp_lag),
+      draft=jnp.where(done, greedy_tokens(model.mtp_logits(z_last)), s.draft)))

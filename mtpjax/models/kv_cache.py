@@ -1,0 +1,125 @@
+"""The KV cache: its layouts, its row writes and the attention that reads it, in one place.
+
+Every attention module calls one function here per step (`attention` for GQA, `latent_attention`
+for MLA's latent rows, `append_rows` for other per-token rows such as the glm-dsa indexer keys),
+so a paged layout or a fused kernel is chosen here and nowhere else.
+
+A cache holds one row per position for every slot: [B, ...] with rows on a sequence axis.
+Rows past a slot's position are stale and masked, which is the whole rollback mechanism of
+speculative decoding: a rejected draft's rows are rewritten before anything reads them.
+A step may compute only the first b of the cache's B slots (`live_slots`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def gqa_cache_shapes(batch: int, kv_heads: int, head_dim: int, value_dim: int,
+                     length: int) -> tuple[tuple, tuple]:
+  """(k, v) shapes: [B, Hkv, S, head_dim] and [B, Hkv, value_dim, S] (see `attention` for why)."""
+  return (batch, kv_heads, length, head_dim), (batch, kv_heads, value_dim, length)
+
+
+def row_cache_shape(batch: int, length: int, width: int) -> tuple:
+  """One MQA-like row of `width` values per position: [B, S, 1, width] (MLA latents, indexer
+  keys; a zero width makes an empty cache for a layer that needs none)."""
+  return (batch, length, 1, width)
+
+
+def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array,
+               seq_axis: int = 1) -> jax.Array:
+  """Write `rows` into `cache` at per-slot row `start` [b] along `seq_axis`.
+
+  `rows` may cover only the first b of the cache's B slots (an engine stepping the slots that
+  hold requests); the other slots then get a zero row at 0, which is harmless because a slot
+  past the live ones is free and admission rewrites it whole.
+  """
+  pad = cache.shape[0] - rows.shape[0]
+  if pad:
+    rows = jnp.pad(rows, [(0, pad)] + [(0, 0)] * (rows.ndim - 1))
+    start = jnp.pad(start, (0, pad))
+  def one(c, r, s):
+    return jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), s, axis=seq_axis - 1)
+  return jax.vmap(one)(cache, rows, start)
+
+
+def live_slots(cache: jax.Array, batch: int) -> jax.Array:
+  """The first `batch` slots of a cache: what a step over fewer slots than the cache reads."""
+  return cache if cache.shape[0] == batch else cache[:batch]
+
+
+def write_head_rows(cache: jax.Array, rows: jax.Array, start: jax.Array,
+                    seq_axis: int) -> jax.Array:
+  """`write_rows` for a per-head cache [B, Hkv, ...], written as B * Hkv single-head caches.
+
+  Why: with one slot, writing the row through the [B, ...] view makes XLA:CPU duplicate the
+  write into the attention's read of the cache (the batch dimension is degenerate there), and
+  every cache is then copied four times a step. Through the merged view the write stays in
+  place at any slot count.
+  """
+  heads = cache.shape[1]
+  merge = lambda a: a.reshape((a.shape[0] * heads,) + a.shape[2:])
+  written = write_rows(merge(cache), merge(rows), jnp.repeat(start, heads), seq_axis - 1)
+  return written.reshape(cache.shape)
+
+
+def append_rows(cache: jax.Array, rows: jax.Array, positions: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+  """Write a row cache's new rows [b, T, 1, width] at `positions` [b, T]; returns (the live
+  slots' rows [b, S, width] to read, the whole updated cache)."""
+  cache = write_rows(cache, rows, positions[:, 0])
+  return live_slots(cache, rows.shape[0])[:, :, 0], cache
+
+
+def attention(cache: tuple[jax.Array, jax.Array], q: jax.Array, k: jax.Array, v: jax.Array,
+              positions: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+  """Write the step's keys and values, then attend from `q` to cache rows j <= position (GQA).
+
+  q: [b, T, H, hd]; k: [b, T, Hkv, hd]; v: [b, T, Hkv, vd]; positions: [b, T] absolute.
+  The cache is k [B, Hkv, S, hd] and v [B, Hkv, vd, S]: with these layouts XLA:CPU reads both
+  in place; with any other (e.g. [B, S, Hkv, d] or values [B, Hkv, S, vd]) it transposes, i.e.
+  copies, every layer's whole cache at every step. Returns ([b, T, H, vd], the new cache).
+  """
+  k_cache, v_cache = cache
+  start = positions[:, 0]
+  k_cache = write_head_rows(k_cache, k.transpose(0, 2, 1, 3), start, seq_axis=2)
+  v_cache = write_head_rows(v_cache, v.transpose(0, 2, 3, 1), start, seq_axis=3)
+  b, t, h, hd = q.shape
+  keys, values = live_slots(k_cache, b), live_slots(v_cache, b)
+  hkv = keys.shape[1]
+  q = q.reshape(b, t, hkv, h // hkv, hd)
+  scores = jnp.einsum("btkgd,bksd->bkgts", q.astype(jnp.float32),
+                      keys.astype(jnp.float32)) / jnp.sqrt(jnp.float32(hd))
+  key_pos = jnp.arange(keys.shape[2])
+  visible = key_pos[None, None, None, None, :] <= positions[:, None, None, :, None]
+  scores = jnp.where(visible, scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bkgts,bkds->btkgd", probs, values.astype(jnp.float32))
+  return out.reshape(b, t, h, values.shape[2]).astype(q.dtype), (k_cache, v_cache)
+
+
+def latent_attention(cache: jax.Array, row: jax.Array, q_lat: jax.Array, q_pe: jax.Array,
+                     positions: jax.Array, scale: float, selected: jax.Array | None = None
+                     ) -> tuple[jax.Array, jax.Array]:
+  """MLA in the absorbed form: write the step's latent rows, then score and sum over them.
+
+  row: [b, T, 1, kv_lora + rope] (normalised latent, rotated shared rope key); q_lat:
+  [b, T, H, kv_lora] (q_nope already through attn_k_b); q_pe: [b, T, H, rope]; `selected`
+  [b, T, S] (sparse attention) further restricts the causal rows j <= position.
+  Returns (the latent output [b, T, H, kv_lora], the new cache).
+  """
+  rows, cache = append_rows(cache, row, positions)
+  kv_lora = q_lat.shape[-1]
+  rows = rows.astype(jnp.float32)
+  c, k_pe = rows[..., :kv_lora], rows[..., kv_lora:]
+  scores = (jnp.einsum("bthc,bsc->bhts", q_lat.astype(jnp.float32), c)
+            + jnp.einsum("bthr,bsr->bhts", q_pe.astype(jnp.float32), k_pe)) * scale
+  key_pos = jnp.arange(rows.shape[1])
+  visible = key_pos[None, None, :] <= positions[:, :, None]                     # [B, T, S]
+  if selected is not None:
+    visible = visible & selected
+  scores = jnp.where(visible[:, None], scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1)
+  return jnp.einsum("bhts,bsc->bthc", probs, c), cache

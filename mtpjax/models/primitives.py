@@ -1,0 +1,105 @@
+"""The numeric building blocks every architecture shares: norms, RoPE and weight-owning modules.
+
+Projection and expert weights live in modules that do their own contraction (`Linear`,
+`Einsum`, `ffn.Experts`), so a new weight representation (integers with scales) or kernel is a
+swap of these modules plus a loader rule, never a hunt through call sites.
+
+`Linear` stores its matrix `[in, out]`, the transpose of GGUF's `[out, in]` (the loader
+transposes it): `x @ W` over row-major `[in, out]` keeps a verify pass of 2 rows (and any small
+batch) about as cheap as 1 row on XLA:CPU, where `[out, in]` takes a slower GEMM path. Norms,
+RoPE, router and softmax run in float32 whatever the weight dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class LinearWeight(nnx.Param):
+  """A projection matrix stored `[in, out]`: the transpose of its GGUF tensor."""
+
+
+def zeros_param(shape, dtype) -> nnx.Param:
+  """A parameter to be filled by the loader (shapes only matter until then)."""
+  return nnx.Param(jnp.zeros(shape, dtype))
+
+
+class Linear(nnx.Module):
+  """`x @ weight (+ bias)` with `weight` [in, out] (a `LinearWeight`) and a float32 bias."""
+
+  def __init__(self, in_dim: int, out_dim: int, dtype, *, bias: bool = False):
+    self.weight = LinearWeight(jnp.zeros((in_dim, out_dim), dtype))
+    self.bias = zeros_param((out_dim,), jnp.float32) if bias else None
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = jnp.einsum("...i,io->...o", x, self.weight[...].astype(x.dtype))
+    return y if self.bias is None else y + self.bias[...].astype(y.dtype)
+
+
+class Einsum(nnx.Module):
+  """A weight contracted by a fixed einsum `spec` ("inputs,weight->out"), in float32.
+
+  For per-head weights that are no plain matrix, e.g. MLA's absorbed `attn_k_b` / `attn_v_b`.
+  """
+
+  def __init__(self, spec: str, shape: tuple[int, ...], dtype):
+    self.spec = spec
+    self.weight = zeros_param(shape, dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return jnp.einsum(self.spec, x.astype(jnp.float32), self.weight[...].astype(jnp.float32))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """HF/llama.cpp RMSNorm: normalise in float32, cast back, then scale."""
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float):
+    self.weight = zeros_param((dim,), jnp.float32)
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return rms_norm(x, self.weight[...], self.eps)
+
+
+def rope_neox(x: jax.Array, positions: jax.Array, rope_dims: int, theta: float) -> jax.Array:
+  """Rotate-half RoPE on the first `rope_dims` dims of each head; the rest pass through.
+
+  x: [B, T, heads, head_dim]; positions: [B, T] absolute, 0-based.
+  """
+  half = rope_dims // 2
+  inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / rope_dims)
+  angle = positions.astype(jnp.float32)[..., None] * inv_freq          # [B, T, half]
+  cos = jnp.cos(angle)[:, :, None, :]
+  sin = jnp.sin(angle)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  x1, x2, rest = x32[..., :half], x32[..., half:rope_dims], x32[..., rope_dims:]
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+  return rotated.astype(x.dtype)
+
+
+def rope_interleaved(x: jax.Array, positions: jax.Array, theta: float,
+                     inv_freq: jax.typing.ArrayLike | None = None,
+                     magnitude: float = 1.0) -> jax.Array:
+  """RoPE over adjacent pairs (2j, 2j+1) of the whole last axis (llama.cpp NORM, GPT-J).
+
+  x: [B, T, heads, R]; positions: [B, T]. Pair j turns by pos * theta^(-2j/R), or by
+  pos * inv_freq[j] with cos/sin times `magnitude` when RoPE scaling supplies them (yarn.py).
+  """
+  rope_dims = x.shape[-1]
+  if inv_freq is None:
+    inv_freq = theta ** (-jnp.arange(rope_dims // 2, dtype=jnp.float32) * 2.0 / rope_dims)
+  angle = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+  cos = jnp.cos(angle)[:, :, None, :] * magnitude
+  sin = jnp.sin(angle)[:, :, None, :] * magnitude
+  x32 = x.astype(jnp.float32)
+  even, odd = x32[..., 0::2], x32[..., 1::2]
+  rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+  return rotated.reshape(x.shape).astype(x.dtype)
