@@ -109,14 +109,16 @@ class Engine:
       kv = [None] * len(self.layouts)
       for s, layout in enumerate(self.layouts):
         if self.hops.local(s):
-          shapes = registry.cache_shapes(cfg, layout.layer_end - layout.layer_start, hi - lo,
-                                         ec.cache_len)
-          kv[s] = jax.device_put([(np.zeros(k, self.dtype), np.zeros(v, self.dtype))
-                                  for k, v in shapes], self.hops.shardings[s])
+          # Allocated on the devices: a long context's caches never pass through the host.
+          zeros = functools.partial(jnp.zeros, dtype=self.dtype, device=self.hops.shardings[s])
+          kv[s] = [(zeros(k), zeros(v)) for k, v in registry.cache_shapes(
+              cfg, layout.layer_end - layout.layer_start, hi - lo, ec.cache_len)]
       head = None
       if self.hops.local(self.last):
-        head = jax.device_put(steps.empty_head(cfg, ec, hi - lo, self.dtype),
-                              self.hops.shardings[self.last])
+        here = self.hops.shardings[self.last]
+        head = jax.device_put(steps.empty_head(
+            cfg, ec, hi - lo, self.dtype,
+            lambda shape, dtype: jnp.zeros(shape, dtype, device=here)), here)
       groups.append(Group(kv=kv, head=head))
     lag = [np.zeros(hi - lo, np.int32) for lo, hi in self.bounds] if ec.native_mtp else None
     return EngineState(groups, lag)
