@@ -112,7 +112,7 @@ class FailureTest(absltest.TestCase):
                                                if t.name != "blk.2.ffn_up_exps.weight"))
     out = WORK / "missing-out"
     # Earlier parts (embed, layer-000, layer-001) are written before layer 2 fails.
-    with self.assertRaisesRegex(errors.ConversionError, r"blk\.2: ffn/up_exps"):
+    with self.assertRaisesRegex(errors.ConversionError, r"blk\.2: ffn/experts/up_exps"):
       convert(bad, out, show_progress=False)
     self._assert_nothing_left(out)
 
@@ -160,7 +160,7 @@ class FormatVersionTest(absltest.TestCase):
     record = checkpoint.read_record(old) | {"format_version": 1}
     checkpoint.write_record(old, record)
     with self.assertRaisesRegex(errors.CheckpointError,
-                                r"format 1 is not 2.*re-run python -m mtpjax.convert"):
+                                r"format 1 is not 3.*re-run python -m mtpjax.convert"):
       mtpjax.load(old)
 
 

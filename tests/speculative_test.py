@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
 from typing import Any
 from unittest import mock
 
@@ -16,6 +17,7 @@ from mtpjax.errors import PackageError, SpeculativeConfigError
 from mtpjax.package import planning
 from mtpjax.package.manifest import (Artifact, Generation, Manifest, Proposer, SourceModel,
                                      SpeculativeDecoding, Strategy, WindowPolicy)
+from mtpjax.engine.plan import PipelinePlan
 from mtpjax.runtime_options import consumers_from_resolution
 
 FIXED = WindowPolicy("fixed", 1, 1, 1)
@@ -123,27 +125,20 @@ class ConsumerAssertions:
 
   def assert_consumers(self, resolution, expected: bool, layer_count: int = 4):
     """The flag must reach the loader, every stage and the server unchanged."""
-    half = layer_count // 2
-    for ranges in ([(0, half), (half, layer_count)],
+    load, settings = consumers_from_resolution(resolution, dtype="float32", max_len=64, slots=2,
+                                               prefill_buckets=(16, 32))
+    self.assertIs(load.native_mtp, expected)
+    cfg = types.SimpleNamespace(n_layers=layer_count - 1, has_mtp=True)   # what layouts read
+    for ranges in (planning.plan_stages(layer_count, 2),
                    planning.plan_stages(layer_count, 2, splits=[1]),
-                   planning.plan_stages(layer_count, 3),
-                   [(0, layer_count)]):
-      load, stages, settings = consumers_from_resolution(
-          resolution, dtype="float32", stage_ranges=ranges, max_len=64, slots=2,
-          prefill_buckets=(16, 32))
-      self.assertIs(load.native_mtp, expected)
-      self.assertEqual(load.stages, len(ranges))
-      self.assertLen(stages, len(ranges))
-      for stage in stages:
-        self.assertIs(stage.native_mtp, expected)
-        self.assertEqual(stage.step_positions, 2 if expected else 1)
-        self.assertIs(stage.runs_draft, expected and stage.includes_output)
-      self.assertTrue(stages[0].includes_embeddings)
-      self.assertTrue(stages[-1].includes_output)
-      self.assertEqual(stages[-1].layer_end, layer_count)
-      self.assertIs(settings.native_mtp, expected)
-      self.assertEqual(settings.speculative_strategy, resolution.requested)
-      self.assertEqual(settings.speculative_reason, resolution.reason)
+                   planning.plan_stages(layer_count, 3), planning.plan_stages(layer_count, 1)):
+      layouts = PipelinePlan(tuple(ranges), meshes=()).layouts(cfg, with_mtp=load.native_mtp)
+      self.assertIs(layouts[-1].mtp, expected)        # the NextN block runs on the last stage
+      self.assertFalse(any(layout.mtp for layout in layouts[:-1]))
+      self.assertTrue(layouts[0].embeddings and layouts[-1].output)
+    self.assertIs(settings.native_mtp, expected)
+    self.assertEqual(settings.speculative_strategy, resolution.requested)
+    self.assertEqual(settings.speculative_reason, resolution.reason)
 
 
 MATRIX_ON_OFF = [
