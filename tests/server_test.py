@@ -437,9 +437,8 @@ class MtpOffServerTest(ServerTestBase):
     only prefill bucket (16) cannot hold a 20-token prompt, so its prefill raises mid-step.
     """
     engine = self.model.engine(native_mtp=True, slots=2, max_len=64, prefill_buckets=(16,))
-    _, _, settings = runtime_options.consumers_from_resolution(
-        self.model.resolution, dtype="float32", stage_ranges=[(0, 4)], max_len=64, slots=2,
-        prefill_buckets=(16,))
+    _, settings = runtime_options.consumers_from_resolution(
+        self.model.resolution, dtype="float32", max_len=64, slots=2, prefill_buckets=(16,))
     metrics = server_metrics.ServerMetrics(model_name=MODEL, settings=settings)
     worker = server_worker.EngineWorker(SlotScheduler(engine), metrics)
     prompt = self.tokenizer.encode(self.PROMPTS[0])
