@@ -178,6 +178,7 @@ def run_cases(source: str | os.PathLike, seeds, *, workers: int = 2, timeout_s: 
   """Every seed's case, `workers` children at a time; results in seed order."""
   source = pathlib.Path(source)
   reference = package_digests(source)
+  package_mutations.warm_parse_cache(source)
   tensor_names = sorted(reference)
   context = multiprocessing.get_context("fork")
   pending = list(seeds)[::-1]
