@@ -87,22 +87,6 @@ def resolve_part(root: pathlib.Path, path: str, role: str) -> pathlib.Path:
   return root / path
 
 
-def _mismatch_issue(file_path: pathlib.Path, path: str, expected: str, digest: str) -> dict:
-  return issues_lib.issue("artifact_sha256_mismatch", f"package artifact checksum mismatch for "
-                          f"{file_path}: expected {expected}, got {digest}", path=path)
-
-
-def check_mapped_sha256(data, *, file_path: pathlib.Path, path: str, role: str,
-                        sha256: str) -> None:
-  """Hashes the very bytes a reader has mapped (the same pass that brings them in from disk,
-  so tensors read next come from the page cache) and raises IntegrityError on a mismatch."""
-  digest = hashlib.sha256(memoryview(data).cast("B")).hexdigest()
-  if digest != sha256.lower():
-    record = _mismatch_issue(file_path, path, sha256.lower(), digest)
-    raise errors.IntegrityError(record["message"], path=str(file_path), field=role,
-                                remedy=record["remediation"])
-
-
 @dataclasses.dataclass(frozen=True)
 class PartCheck:
   """What was found on disk for one artifact; `issue` is None when it passed."""
@@ -155,7 +139,10 @@ def inspect_part(root: pathlib.Path, path: str, *, role: str, artifact_bytes: in
   expected = sha256.lower()
   if digest != expected:
     return PartCheck(file_path, present=True, actual_bytes=actual, size_matches=size_matches,
-                     sha256_matches=False, issue=_mismatch_issue(file_path, path, expected, digest))
+                     sha256_matches=False, issue=issues_lib.issue(
+                         "artifact_sha256_mismatch",
+                         f"package artifact checksum mismatch for {file_path}: expected "
+                         f"{expected}, got {digest}", path=path))
   return PartCheck(file_path, present=True, actual_bytes=actual, size_matches=size_matches,
                    sha256_matches=True)
 

@@ -2,8 +2,8 @@
 
 Nothing is read into RAM at open: gguf-py memory-maps each file, and a stage's tensors are
 yielded one artifact at a time so a converter never holds more than one fragment
-(LAYER_PACKAGES.md §3-§4). A package artifact is hashed over that same mapping before its
-tensors are handed out.
+(LAYER_PACKAGES.md §3-§4). A package artifact is hashed as it is opened for its tensors (the
+pass that brings it into the page cache for the mapping), before any tensor is handed out.
 """
 
 from __future__ import annotations
@@ -147,13 +147,6 @@ class _OpenFile:
     self.index = {tensor.name: tensor for tensor in reader.tensors}
 
 
-def _check_sha256(part: _Part, opened: _OpenFile) -> None:
-  """A package artifact's SHA-256 over the bytes its reader mapped, before a tensor is read."""
-  integrity.check_mapped_sha256(opened.reader.data, file_path=part.path,
-                                path=part.artifact.path, role=part.label,
-                                sha256=part.artifact.sha256)
-
-
 class ModelSource:
   """A package, plain GGUF or split GGUF behind one interface; build it with `open_source`."""
 
@@ -199,19 +192,27 @@ class ModelSource:
 
   def _file(self, part: _Part, *, keep: bool, tensor_data: bool) -> _OpenFile:
     """Opens a part, checking a package artifact's path and size each time it is opened; when
-    its tensor data will be read (`tensor_data`), its SHA-256 too, once per source."""
+    its tensor data will be read (`tensor_data`), its SHA-256 too (once per source), in the
+    pass that brings the file into the page cache just before its tensors are mapped."""
     opened = self._open.get(part.path)
+    check_sha = tensor_data and part.artifact is not None and part.path not in self._hashed
+    if part.artifact is not None and (opened is None or check_sha):
+      integrity.verify_part(self.path, part.artifact.path, role=part.label,
+                            artifact_bytes=part.artifact.artifact_bytes,
+                            sha256=part.artifact.sha256, check_sha=check_sha)
+      if check_sha:
+        self._hashed.add(part.path)
     if opened is None:
-      if part.artifact is not None:
-        integrity.verify_part(self.path, part.artifact.path, role=part.label,
-                              artifact_bytes=part.artifact.artifact_bytes,
-                              sha256=part.artifact.sha256, check_sha=False)
-      opened = _OpenFile(open_gguf(part.path))
+      try:
+        opened = _OpenFile(open_gguf(part.path))
+      except errors.PackageError:
+        if part.artifact is not None and not check_sha:   # corruption is named as such first
+          integrity.verify_part(self.path, part.artifact.path, role=part.label,
+                                artifact_bytes=part.artifact.artifact_bytes,
+                                sha256=part.artifact.sha256, check_sha=True)
+        raise
       if keep:
         self._open[part.path] = opened
-    if tensor_data and part.artifact is not None and part.path not in self._hashed:
-      _check_sha256(part, opened)
-      self._hashed.add(part.path)
     return opened
 
   def _part_of(self, name: str) -> _Part:
@@ -395,17 +396,18 @@ def _open_package(root: pathlib.Path, verify: str, verify_scope: Any) -> ModelSo
   manifest, digest = manifest_lib.read_manifest(root)
   parts = _package_parts(root, manifest)
   verified = []
+  hashed = set()
   for part in _scope_parts(parts, verify_scope, manifest.layer_count):
+    # shared.metadata is always hashed: its key/values configure everything else
+    check_sha = verify == "sha256" or part is parts[0]
     integrity.verify_part(root, part.artifact.path, role=part.label,
                           artifact_bytes=part.artifact.artifact_bytes, sha256=part.artifact.sha256,
-                          check_sha=verify == "sha256")
+                          check_sha=check_sha)
     verified.append(part.artifact.path)
-  hashed = {root / path for path in verified} if verify == "sha256" else set()
+    if check_sha:
+      hashed.add(part.path)
   metadata_part = parts[0]
   opened = _OpenFile(open_gguf(metadata_part.path))
-  if metadata_part.path not in hashed:    # its key/values configure everything else
-    _check_sha256(metadata_part, opened)
-    hashed.add(metadata_part.path)
   return ModelSource(kind="package", path=root, parts=parts, manifest=manifest,
                      manifest_sha256=digest,
                      key_values=read_key_values(opened.reader, metadata_part.path),
@@ -454,7 +456,7 @@ def open_source(path: str | pathlib.Path, *, verify: str = "size",
   For a package, the manifest is validated and the artifacts in `verify_scope` ("all",
   "metadata", or a StageRange) are checked now: their size, and with verify="sha256" their hash.
   Every other artifact's path and size are checked when it is first opened, and whatever the
-  mode, an artifact's SHA-256 is checked over its mapped bytes before any of its tensors is read
+  mode, an artifact's SHA-256 is checked when it is opened for its tensors, before any is read
   (shared.metadata's at open): a corrupt artifact never loads. GGUF inputs carry no expected
   sizes or hashes, so `verify` does not apply to them; every GGUF's header is bounds-checked.
   """
