@@ -19,7 +19,7 @@ import struct
 import gguf
 
 from mtpjax import errors
-from mtpjax.package.gguf_kv import MAX_ARRAY_NESTING, MAX_STRING_BYTES
+from mtpjax.package.gguf_kv import LIMIT_REMEDY, MAX_ARRAY_NESTING, MAX_STRING_BYTES
 
 SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4                  # GGML_MAX_DIMS
@@ -79,7 +79,8 @@ class _Walk:
     """(start, end) of a length-prefixed string, its length checked before it is read."""
     (length,), offset = self.take("<Q", offset, field, f"the length of {what}")
     if length > limit:
-      raise self.error(f"{what} declares {length} bytes, above the limit of {limit}", field)
+      raise self.error(f"{what}: a {length}-byte string exceeds safety limit of {limit} bytes",
+                       field, remedy=LIMIT_REMEDY)
     self.need(offset, length, field, f"{what} ({length} bytes)")
     return offset, offset + length
 
@@ -100,7 +101,8 @@ class _Walk:
       self.need(offset, _SCALAR_BYTES[value_type], key, f"the value of {key}")
       return offset + _SCALAR_BYTES[value_type]
     if depth + 1 > MAX_ARRAY_NESTING:
-      raise self.error(f"metadata {key} nests arrays deeper than {MAX_ARRAY_NESTING} levels", key)
+      raise self.error(f"metadata {key}: array nesting exceeds {MAX_ARRAY_NESTING} levels", key,
+                       remedy=LIMIT_REMEDY)
     (item_type, count), offset = self.take("<IQ", offset, key, f"the array header of {key}")
     if item_type not in _VALUE_TYPES:
       raise self.error(f"metadata {key} is an array of unknown value type {item_type}", key)

@@ -142,9 +142,19 @@ class _Part:
 
 
 class _OpenFile:
-  def __init__(self, reader: gguf.GGUFReader):
+  def __init__(self, reader: gguf.GGUFReader, part: _Part | None = None):
+    """`part`: a package artifact, whose manifest tensor_count / tensor_bytes must describe the
+    file (a type id rewritten to a smaller type would otherwise still fit its byte range)."""
     self.reader = reader
     self.index = {tensor.name: tensor for tensor in reader.tensors}
+    if part is not None and part.artifact is not None:
+      found = (len(reader.tensors), sum(int(tensor.n_bytes) for tensor in reader.tensors))
+      declared = (part.artifact.tensor_count, part.artifact.tensor_bytes)
+      if found != declared:
+        raise errors.PackageError(
+            f"package artifact {part.path} holds {found[0]} tensors of {found[1]} bytes, but the "
+            f"manifest says {declared[0]} of {declared[1]}", path=str(part.path),
+            field=part.label, remedy="re-download the package or re-split the source GGUF")
 
 
 class ModelSource:
@@ -204,7 +214,7 @@ class ModelSource:
         self._hashed.add(part.path)
     if opened is None:
       try:
-        opened = _OpenFile(open_gguf(part.path))
+        opened = _OpenFile(open_gguf(part.path), part)
       except errors.PackageError:
         if part.artifact is not None and not check_sha:   # corruption is named as such first
           integrity.verify_part(self.path, part.artifact.path, role=part.label,
@@ -407,7 +417,7 @@ def _open_package(root: pathlib.Path, verify: str, verify_scope: Any) -> ModelSo
     if check_sha:
       hashed.add(part.path)
   metadata_part = parts[0]
-  opened = _OpenFile(open_gguf(metadata_part.path))
+  opened = _OpenFile(open_gguf(metadata_part.path), metadata_part)
   return ModelSource(kind="package", path=root, parts=parts, manifest=manifest,
                      manifest_sha256=digest,
                      key_values=read_key_values(opened.reader, metadata_part.path),

@@ -109,8 +109,6 @@ def _address_space_bytes() -> int:
 
 def _child(conn, source: pathlib.Path, work: pathlib.Path, seed: int, memory_bytes: int,
            tensor_names: list[str]) -> None:
-  limit = _address_space_bytes() + memory_bytes
-  resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
   try:
     shutil.copytree(source, work, dirs_exist_ok=True)
     manifest = package_mutations.read_manifest(work)
@@ -119,6 +117,8 @@ def _child(conn, source: pathlib.Path, work: pathlib.Path, seed: int, memory_byt
     conn.send(("harness_error", "", repr(error)))
     return
   conn.send(("mutation", dataclasses.asdict(mutation), ""))
+  limit = _address_space_bytes() + memory_bytes     # bounds the code under test, not the edit
+  resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
   try:
     digests = exercise(work, _stage_of(manifest, mutation.target), tensor_names)
   except MemoryError as error:
