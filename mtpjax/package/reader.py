@@ -207,23 +207,24 @@ class ModelSource:
     opened = self._open.get(part.path)
     check_sha = tensor_data and part.artifact is not None and part.path not in self._hashed
     if part.artifact is not None and (opened is None or check_sha):
-      integrity.verify_part(self.path, part.artifact.path, role=part.label,
-                            artifact_bytes=part.artifact.artifact_bytes,
-                            sha256=part.artifact.sha256, check_sha=check_sha)
-      if check_sha:
-        self._hashed.add(part.path)
+      self._verify(part, check_sha=check_sha)
     if opened is None:
       try:
         opened = _OpenFile(open_gguf(part.path), part)
       except errors.PackageError:
         if part.artifact is not None and not check_sha:   # corruption is named as such first
-          integrity.verify_part(self.path, part.artifact.path, role=part.label,
-                                artifact_bytes=part.artifact.artifact_bytes,
-                                sha256=part.artifact.sha256, check_sha=True)
+          self._verify(part, check_sha=True)
         raise
       if keep:
         self._open[part.path] = opened
     return opened
+
+  def _verify(self, part: _Part, *, check_sha: bool) -> None:
+    integrity.verify_part(self.path, part.artifact.path, role=part.label,
+                          artifact_bytes=part.artifact.artifact_bytes,
+                          sha256=part.artifact.sha256, check_sha=check_sha)
+    if check_sha:
+      self._hashed.add(part.path)
 
   def _part_of(self, name: str) -> _Part:
     if self.manifest is None:
