@@ -64,6 +64,16 @@ class GgufHeaderTest(_PackageCopy):
         """)
     self.assertIn("refused tokenizer.ggml.tokens", out)
 
+  def test_string_array_claiming_more_strings_than_it_has(self):
+    metadata = self.root / METADATA
+    merges = len(gguf.GGUFReader(metadata).fields["tokenizer.ggml.merges"].data)
+    count_at = package_mutations.key_field_offsets(metadata)["tokenizer.ggml.merges"]["count"]
+    for extra in (5, 5000):     # the next keys' bytes read as string lengths, or past the end
+      package_mutations.patch(metadata, count_at, struct.pack("<Q", merges + extra))
+      with self.subTest(extra=extra), self.assertRaises(errors.PackageError) as ctx:
+        gguf_header.check_header(metadata)
+      self.assertEqual(ctx.exception.field, "tokenizer.ggml.merges")
+
   @parameterized.named_parameters(
       ("string_length", "general.name", "length", "<Q", 2**40, "general.name"),
       ("kv_count", None, "kv_count", "<Q", 2**50, "GGUF.kv_count"),

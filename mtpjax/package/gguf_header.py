@@ -29,6 +29,7 @@ _SCALAR_BYTES = {_VT.UINT8: 1, _VT.INT8: 1, _VT.UINT16: 2, _VT.INT16: 2, _VT.UIN
                  _VT.INT32: 4, _VT.FLOAT32: 4, _VT.BOOL: 1, _VT.UINT64: 8, _VT.INT64: 8,
                  _VT.FLOAT64: 8}
 _VALUE_TYPES = frozenset(int(kind) for kind in _VT)
+_U64 = struct.Struct("<Q")
 _KV_MIN_BYTES = 8 + 4 + 1              # key length, value type, the smallest value
 _TENSOR_INFO_MIN_BYTES = 8 + 4 + 8 + 4 + 8   # name length, n_dims, one dim, type, offset
 _REMEDY = "the file is corrupt or not a GGUF: re-download it or re-export it from the source"
@@ -113,9 +114,28 @@ class _Walk:
                        "remain", key)
     if item_type in _SCALAR_BYTES:
       return offset + count * item_bytes
+    if item_type == _VT.STRING:
+      return self._skip_strings(offset, count, key)
     for _ in range(count):
       offset = self.skip_value(offset, item_type, key, depth + 1)
     return offset
+
+  def _skip_strings(self, offset: int, count: int, key: str) -> int:
+    """`skip_value` for a string array (a vocabulary: the header's bulk), inlined for speed."""
+    unpack, buffer, size = _U64.unpack_from, self.buffer, self.size
+    for _ in range(count):
+      if offset + 8 > size:
+        break
+      (length,) = unpack(buffer, offset)
+      if length > MAX_STRING_BYTES:
+        raise self.error(f"a string of {key}: a {length}-byte string exceeds safety limit of "
+                         f"{MAX_STRING_BYTES} bytes", key, remedy=LIMIT_REMEDY)
+      offset += 8 + length
+    else:
+      if offset <= size:
+        return offset
+    raise self.error(f"metadata {key}: its {count} strings run past the end of the file "
+                     f"({size} bytes)", key)
 
   def key_values(self, offset: int, count: int) -> tuple[int, int]:
     """(offset after the key/values, general.alignment)."""
