@@ -199,6 +199,8 @@ class MetadataValueTest(parameterized.TestCase):
       ("tokens_of_ints", "tokenizer.ggml.tokens", [1, 2, 3]),
       ("merges_not_strings", "tokenizer.ggml.merges", [[1, 2]]),
       ("token_types_of_strings", "tokenizer.ggml.token_type", ["a"]),
+      ("pre_tokenizer_array", "tokenizer.ggml.pre", [1, 2, 3]),
+      ("model_array", "tokenizer.ggml.model", [1]),
   )
   def test_tokenizer_values_are_refused(self, key, value):
     with self.assertRaises(errors.ConversionError) as ctx:

@@ -223,7 +223,7 @@ class GgufTokenizer:
                             "'gpt2')", path=path, field=MODEL_KEY,
                             remedy="use a GLM-family GGUF converted by llama.cpp")
     pre = _required(metadata, PRE_KEY, path)
-    if pre not in PRE_TOKENIZER_REGEX:
+    if not isinstance(pre, str) or pre not in PRE_TOKENIZER_REGEX:
       raise ConversionError(f"pre-tokenizer {pre!r} is not supported", path=path, field=PRE_KEY,
                             remedy=f"use a GGUF whose {PRE_KEY} is one of "
                             f"{sorted(PRE_TOKENIZER_REGEX)}")
