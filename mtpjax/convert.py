@@ -5,23 +5,23 @@
 The conversion streams part by part (one trunk layer, the embeddings, the output head, the
 NextN block): each part is dequantized, saved and dropped before the next is read, so peak host
 memory is about one part. Every artifact is SHA-256 checked in the same pass. Everything is
-written to a sibling temporary directory that is renamed into place only when complete, so a
-killed conversion leaves nothing that looks like a checkpoint.
+written to a sibling staging directory that is renamed into place only when complete, so a
+killed conversion leaves nothing that looks like a checkpoint; `--overwrite` renames the old
+checkpoint aside and removes it only after the new one is in place, and staging folders of
+dead conversions are removed first (`mtpjax.staging`).
 """
 
 from __future__ import annotations
 
-import os
 import pathlib
 import shutil
 import sys
-import tempfile
 
 from absl import app, flags
 from tqdm import tqdm
 
 import mtpjax
-from mtpjax import checkpoint, errors, loading
+from mtpjax import checkpoint, errors, loading, staging
 from mtpjax.models.registry import config_from_gguf
 from mtpjax.package import planning
 from mtpjax.package.reader import open_source
@@ -30,6 +30,7 @@ from mtpjax.package.reader import open_source
 def convert(src, out_dir, *, dtype: str = "float32", stages: int = 1, overwrite: bool = False,
             show_progress: bool = True) -> pathlib.Path:
   out_dir = pathlib.Path(out_dir)
+  staging.remove_stale(out_dir)
   if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
     raise errors.CheckpointError(
         "the output directory is not empty", path=str(out_dir),
@@ -39,8 +40,7 @@ def convert(src, out_dir, *, dtype: str = "float32", stages: int = 1, overwrite:
     cfg = config_from_gguf(source.metadata, source.tensors, source=str(source.path))
     plan = planning.plan_stages(source.layer_count, stages)
     total = sum(info.n_bytes for info in source.tensors.values())
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = staging.make_staging_dir(out_dir)
     try:
       with tqdm(total=total, unit="B", unit_scale=True, desc="convert",
                 disable=not show_progress) as bar:
@@ -68,9 +68,7 @@ def convert(src, out_dir, *, dtype: str = "float32", stages: int = 1, overwrite:
           "stage_plan": [[s.layer_start, s.layer_end] for s in plan],
           "parts": sorted(checkpoint.part_layouts(cfg)),
       })
-      if out_dir.exists():
-        shutil.rmtree(out_dir)
-      os.replace(tmp, out_dir)
+      staging.replace_dir(tmp, out_dir)
     except BaseException:
       shutil.rmtree(tmp, ignore_errors=True)
       raise

@@ -8,9 +8,11 @@ for the all-or-nothing rule (no record, no temp folder after a failure).
 import os
 import pathlib
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import jax
 import ml_dtypes
@@ -19,7 +21,7 @@ import orbax.checkpoint as ocp
 from absl.testing import absltest
 
 import mtpjax
-from mtpjax import checkpoint, errors, loading, sharding
+from mtpjax import checkpoint, errors, loading, sharding, staging
 from mtpjax.convert import convert
 from mtpjax.package.writer import split_gguf
 from mtpjax.testing.gguf_rewrite import rewrite_gguf
@@ -148,6 +150,37 @@ class FailureTest(absltest.TestCase):
     convert(SRC, out, overwrite=True, show_progress=False)
     self.assertTrue(checkpoint.is_checkpoint(out))
     self.assertFalse((out / "stale.txt").exists())
+    self.assertEqual(_leftovers(out), [])
+
+
+def _dead_writer() -> str:
+  """The owner tag of a conversion process that is gone (a real child that has exited)."""
+  child = subprocess.Popen([sys.executable, "-c", "pass"])
+  child.wait()
+  return f"{child.pid}@{socket.gethostname()}"
+
+
+class InterruptedConversionTest(absltest.TestCase):
+  """What a killed conversion leaves is cleaned up (or put back) by the next one."""
+
+  def test_dead_conversions_staging_folders_are_removed(self):
+    out = WORK / "after-kill-out"
+    dead = WORK / f".{out.name}.tmp-{_dead_writer()}.k2j3h4"
+    unnamed = WORK / f".{out.name}.tmp-a1b2c3"         # a name without a writer, a day old
+    for folder in (dead, unnamed):
+      (folder / "parts").mkdir(parents=True)
+    day_ago = time.time() - staging.STALE_AFTER_S - 60
+    os.utime(unnamed, (day_ago, day_ago))
+    convert(SRC, out, show_progress=False)
+    self.assertTrue(checkpoint.is_checkpoint(out))
+    self.assertEqual(_leftovers(out), [])
+
+  def test_checkpoint_set_aside_by_a_killed_overwrite_is_put_back(self):
+    out = WORK / "killed-overwrite-out"
+    shutil.copytree(CKPT, WORK / f".{out.name}.old-{_dead_writer()}.q9w8e7")
+    with self.assertRaisesRegex(errors.CheckpointError, "not empty"):
+      convert(SRC, out, show_progress=False)
+    self.assertTrue(checkpoint.is_checkpoint(out))
     self.assertEqual(_leftovers(out), [])
 
 

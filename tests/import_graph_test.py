@@ -20,7 +20,7 @@ LAYERS = (
                       "mtpjax.distributed")),
     ("public API", ("mtpjax.api",)),
     ("engine", ("mtpjax.engine",)),
-    ("weights", ("mtpjax.loading", "mtpjax.checkpoint", "mtpjax.sharding")),
+    ("weights", ("mtpjax.loading", "mtpjax.checkpoint", "mtpjax.sharding", "mtpjax.staging")),
     ("models", ("mtpjax.models",)),
     ("formats", ("mtpjax.gguf", "mtpjax.package", "mtpjax.speculative",
                  "mtpjax.runtime_options", "mtpjax.telemetry", "mtpjax.errors")),

@@ -97,18 +97,35 @@ def _required(metadata: Mapping[str, Any], key: str, path: str | None) -> Any:
   return metadata[key]
 
 
+def _is_token_id(value: Any, vocab_size: int) -> bool:
+  """An integer (not a bool, NaN or string) naming a token of the vocab."""
+  return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
+
+
 def _special_ids(metadata: Mapping[str, Any], vocab_size: int, path: str | None) -> dict[str, int]:
   special_ids = {}
   for name, key in SPECIAL_ID_KEYS.items():
     if key not in metadata:
       continue
-    token_id = int(metadata[key])
-    if not 0 <= token_id < vocab_size:
-      raise ConversionError(f"special token id {token_id} is outside the vocab (size {vocab_size})",
-                            path=path, field=key,
+    token_id = metadata[key]
+    if not _is_token_id(token_id, vocab_size):
+      raise ConversionError(f"special token id {token_id!r:.40} is not a token id of the vocab "
+                            f"(size {vocab_size})", path=path, field=key,
                             remedy=f"fix or drop {key} so that it names a token in {TOKENS_KEY}")
     special_ids[name] = token_id
   return special_ids
+
+
+def _typed_list(metadata: Mapping[str, Any], key: str, item_type: type, path: str | None,
+                default: Any = None) -> list:
+  """A tokenizer array key, checked to be a list of `item_type` (bools are not ints)."""
+  value = metadata.get(key, default) if default is not None else _required(metadata, key, path)
+  if not isinstance(value, list) or not all(
+      isinstance(item, item_type) and not isinstance(item, bool) for item in value):
+    raise ConversionError(f"GGUF metadata {key} must be an array of {item_type.__name__}",
+                          path=path, field=key,
+                          remedy="re-convert the model with llama.cpp's convert_hf_to_gguf.py")
+  return value
 
 
 def _parse_merges(merges: Sequence[str], path: str | None) -> list[tuple[str, str]]:
@@ -206,17 +223,17 @@ class GgufTokenizer:
                             "'gpt2')", path=path, field=MODEL_KEY,
                             remedy="use a GLM-family GGUF converted by llama.cpp")
     pre = _required(metadata, PRE_KEY, path)
-    if pre not in PRE_TOKENIZER_REGEX:
+    if not isinstance(pre, str) or pre not in PRE_TOKENIZER_REGEX:
       raise ConversionError(f"pre-tokenizer {pre!r} is not supported", path=path, field=PRE_KEY,
                             remedy=f"use a GGUF whose {PRE_KEY} is one of "
                             f"{sorted(PRE_TOKENIZER_REGEX)}")
-    tokens = [str(t) for t in _required(metadata, TOKENS_KEY, path)]
-    default_types = [gguf.TokenType.NORMAL] * len(tokens)
-    token_types = [int(t) for t in metadata.get(TOKEN_TYPE_KEY, default_types)]
+    tokens = _typed_list(metadata, TOKENS_KEY, str, path)
+    default_types = [int(gguf.TokenType.NORMAL)] * len(tokens)
+    token_types = _typed_list(metadata, TOKEN_TYPE_KEY, int, path, default_types)
     if len(token_types) != len(tokens):
       raise ConversionError(f"{len(token_types)} token types for {len(tokens)} tokens", path=path,
                             field=TOKEN_TYPE_KEY, remedy="re-convert the model with llama.cpp")
-    merges = _parse_merges(_required(metadata, MERGES_KEY, path), path)
+    merges = _parse_merges(_typed_list(metadata, MERGES_KEY, str, path), path)
     if not merges:
       raise ConversionError("a 'gpt2' vocab needs merges and this one has none", path=path,
                             field=MERGES_KEY, remedy="re-convert the model with llama.cpp")
@@ -303,15 +320,18 @@ class ChatTemplate:
   def from_metadata(cls, metadata: Mapping[str, Any], *, path: str | None = None) -> ChatTemplate:
     """The GGUF's template (or the GLM default) with its bos/eos token strings."""
     tokens = metadata.get(TOKENS_KEY, ())
+    tokens = tokens if isinstance(tokens, list) else ()
 
     def token_text(name: str) -> str:
       token_id = metadata.get(SPECIAL_ID_KEYS[name])
-      if token_id is None or not 0 <= int(token_id) < len(tokens):
-        return ""
-      return str(tokens[int(token_id)])
+      return str(tokens[token_id]) if _is_token_id(token_id, len(tokens)) else ""
 
-    return cls(metadata.get(CHAT_TEMPLATE_KEY), bos_token=token_text("bos"),
-               eos_token=token_text("eos"), path=path)
+    source = metadata.get(CHAT_TEMPLATE_KEY)
+    if source is not None and not isinstance(source, str):
+      raise ConversionError(f"{CHAT_TEMPLATE_KEY} is a {type(source).__name__}, not a string",
+                            path=path, field=CHAT_TEMPLATE_KEY,
+                            remedy="store the chat template as a GGUF string, or remove it")
+    return cls(source, bos_token=token_text("bos"), eos_token=token_text("eos"), path=path)
 
   def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False,
              tools: Sequence[Mapping[str, Any]] | None = None, **template_vars: Any) -> str:

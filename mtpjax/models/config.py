@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 from typing import Any, Iterable, Mapping
 
@@ -108,11 +109,63 @@ class ModelConfig:
 _MTP_REQUIRED = ("eh_proj.weight", "enorm.weight", "hnorm.weight")
 
 
+# Range rules for the keys read below: ("int", minimum) or ("float", minimum, inclusive).
+# A stored value that breaks its rule is refused before it can divide by zero, overflow or
+# size an allocation; the engine indexes with int32, so no count may exceed it.
+_INT_LIMIT = 2**31 - 1
+_KEY_RULES: dict[str, tuple] = {
+    **{key: ("int", 1) for key in (
+        "block_count", "embedding_length", "attention.head_count", "attention.head_count_kv",
+        "attention.key_length", "attention.value_length", "vocab_size", "context_length",
+        "attention.kv_lora_rank", "attention.key_length_mla", "attention.value_length_mla",
+        "attention.indexer.head_count", "attention.indexer.key_length",
+        "attention.indexer.top_k")},
+    **{key: ("int", 0) for key in (
+        "nextn_predict_layers", "expert_gating_func", "rope.dimension_count",
+        "feed_forward_length", "leading_dense_block_count", "expert_count", "expert_used_count",
+        "expert_shared_count", "expert_feed_forward_length", "expert_group_count",
+        "expert_group_used_count", "attention.q_lora_rank",
+        "rope.scaling.original_context_length")},
+    **{key: ("float", 0.0, False) for key in (
+        "rope.freq_base", "attention.layer_norm_rms_epsilon", "rope.scaling.attn_factor")},
+    **{key: ("float", None, True) for key in (
+        "expert_weights_scale", "rope.scaling.factor", "rope.scale_linear",
+        "rope.scaling.yarn_log_multiplier")},
+    "attention.indexer.types": ("list",),
+}
+
+
+def _checked(value: Any, key: str, field: str, source: str) -> Any:
+  """`value` if it obeys `_KEY_RULES[key]`, else a ConversionError naming the field."""
+  rule = _KEY_RULES.get(key)
+  if rule is None:
+    return value
+  fail = lambda what: errors.ConversionError(
+      f"GGUF key {field} is {value!r:.80}; it must be {what}", path=source, field=field,
+      remedy="fix the value in the GGUF metadata or re-convert the model with llama.cpp")
+  if rule[0] == "list":
+    if not isinstance(value, list):
+      raise fail("an array")
+    return value
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise fail("a number")
+  if rule[0] == "int":
+    if not isinstance(value, int) or not rule[1] <= value <= _INT_LIMIT:
+      raise fail(f"an integer in {rule[1]}..{_INT_LIMIT}")
+    return value
+  minimum, inclusive = rule[1], rule[2]
+  if not math.isfinite(value) or (minimum is not None and (
+      value < minimum or (value == minimum and not inclusive))):
+    bound = "" if minimum is None else f" {'>=' if inclusive else '>'} {minimum}"
+    raise fail(f"a finite number{bound}")
+  return value
+
+
 def _get(metadata: Mapping[str, Any], arch: str, key: str, default: Any = dataclasses.MISSING,
          *, source: str) -> Any:
   full = f"{arch}.{key}"
   if full in metadata:
-    return metadata[full]
+    return _checked(metadata[full], key, full, source)
   if default is dataclasses.MISSING:
     raise errors.ConversionError(
         f"required GGUF key {full} is missing", path=source, field=full,
@@ -142,6 +195,10 @@ def config_from_gguf(metadata: Mapping[str, Any], tensor_names: Iterable[str], *
   value_dim = int(get("attention.value_length", head_dim))
   tokens = metadata.get("tokenizer.ggml.tokens")
   if tokens is not None:
+    if not isinstance(tokens, list) or not tokens:
+      raise errors.ConversionError(
+          "tokenizer.ggml.tokens must be a non-empty array of strings", path=source,
+          field="tokenizer.ggml.tokens", remedy="re-convert the model with llama.cpp")
     vocab_size = len(tokens)
   elif "token_embd.weight" in names or f"{arch}.vocab_size" in metadata:
     vocab_size = int(get("vocab_size"))
@@ -172,7 +229,7 @@ def config_from_gguf(metadata: Mapping[str, Any], tensor_names: Iterable[str], *
   if mla:
     head_dim, value_dim = mla.pop("head_dim"), mla.pop("value_dim")
 
-  return ModelConfig(
+  return _check_relations(ModelConfig(
       arch=arch,
       vocab_size=vocab_size,
       hidden=hidden,
@@ -205,7 +262,33 @@ def config_from_gguf(metadata: Mapping[str, Any], tensor_names: Iterable[str], *
       mtp_head=mtp_prefix + "shared_head_head.weight" in names,
       mtp_head_norm=mtp_prefix + "shared_head_norm.weight" in names,
       **mla,
+  ), source)
+
+
+def _check_relations(cfg: ModelConfig, source: str) -> ModelConfig:
+  """Facts between keys that each passed its own range rule, but that no model can have."""
+  arch = cfg.arch
+  rules = (
+      (cfg.n_layers >= 1, "block_count", "block_count must exceed nextn_predict_layers"),
+      (cfg.head_dim >= 1, "attention.key_length",
+       "the head size (key_length, else embedding_length / head_count) must be positive"),
+      (cfg.n_heads % cfg.n_kv_heads == 0, "attention.head_count_kv",
+       "head_count must be a multiple of head_count_kv"),
+      (cfg.rope_dims <= cfg.head_dim and cfg.rope_dims % 2 == 0, "rope.dimension_count",
+       "rope.dimension_count must be even and at most the head size"),
+      (cfg.n_experts_used <= cfg.n_experts, "expert_used_count",
+       "expert_used_count must not exceed expert_count"),
+      (cfg.leading_dense <= cfg.n_layers, "leading_dense_block_count",
+       "leading_dense_block_count must not exceed the trunk's blocks"),
+      (cfg.groups_used <= cfg.n_groups, "expert_group_used_count",
+       "expert_group_used_count must not exceed expert_group_count"),
   )
+  for holds, key, message in rules:
+    if not holds:
+      raise errors.ConversionError(f"GGUF metadata is inconsistent: {message}", path=source,
+                                   field=f"{arch}.{key}",
+                                   remedy="fix the GGUF metadata or re-convert the model")
+  return cfg
 
 
 def _mla_fields(metadata: Mapping[str, Any], arch: str, get, source: str) -> dict[str, Any]:

@@ -20,6 +20,8 @@ from mtpjax import errors
 
 MAX_STRING_BYTES = 1 << 20
 MAX_ARRAY_NESTING = 64
+LIMIT_REMEDY = ("remove or shorten this key in the source GGUF (gguf-py's gguf_set_metadata / "
+                "gguf_new_metadata)")
 
 _VT = gguf.GGUFValueType
 _SCALAR_DTYPES = {
@@ -46,8 +48,7 @@ class _Walker:
 
   def _limit_error(self, message: str) -> errors.PackageError:
     return errors.PackageError(f"GGUF metadata {self.key}: {message}", path=self.path,
-                               field=self.key, remedy="remove or shorten this key in the source "
-                               "GGUF (gguf-py's gguf_set_metadata / gguf_new_metadata)")
+                               field=self.key, remedy=LIMIT_REMEDY)
 
   def _string(self, offset: int) -> tuple[str, int]:
     (length,) = struct.unpack_from("<Q", self.buffer, offset)

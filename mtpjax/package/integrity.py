@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import pathlib
 import re
+import stat
 
 from mtpjax import errors
 from mtpjax.package import issues as issues_lib
@@ -106,13 +107,19 @@ def inspect_part(root: pathlib.Path, path: str, *, role: str, artifact_bytes: in
   validation reports it already.
   """
   file_path = root / path
-  if not file_path.exists():
+  try:
+    status = file_path.stat()
+  except (FileNotFoundError, NotADirectoryError):
     return PartCheck(file_path, present=False, issue=issues_lib.issue(
         "missing_artifact", f"package {role} artifact is missing: {file_path}", path=path))
-  if not file_path.is_file():
+  except OSError as error:      # a name too long, a symlink loop, no permission ...
+    return PartCheck(file_path, present=False, issue=issues_lib.issue(
+        "missing_artifact", f"package {role} artifact cannot be opened: {file_path}: "
+        f"{error.strerror or error}", path=path))
+  if not stat.S_ISREG(status.st_mode):
     return PartCheck(file_path, present=False, issue=issues_lib.issue(
         "artifact_not_file", f"package part is not a file: {file_path}", path=path))
-  actual = file_path.stat().st_size
+  actual = status.st_size
   if artifact_bytes is not None and actual != artifact_bytes:
     return PartCheck(file_path, present=True, actual_bytes=actual, size_matches=False,
                      issue=issues_lib.issue(

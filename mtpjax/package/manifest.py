@@ -350,12 +350,23 @@ def manifest_sha256(data: bytes) -> str:
 def _decode_json(data: dict | bytes, path: str) -> object:
   if isinstance(data, dict):
     return data
-  try:
-    return json.loads(bytes(data).decode("utf-8"))
-  except (UnicodeDecodeError, json.JSONDecodeError) as error:
-    record = issue("invalid_manifest_json", f"package manifest is not valid UTF-8 JSON: {error}")
+  raw, record = decode_manifest_bytes(bytes(data))
+  if record is not None:
     raise errors.ManifestError(record["message"], issues=[record], path=path,
-                               remedy=record["remediation"]) from error
+                               remedy=record["remediation"])
+  return raw
+
+
+def decode_manifest_bytes(data: bytes) -> tuple[object, dict | None]:
+  """(decoded JSON, None), or (None, the invalid_manifest_json issue): bad UTF-8, bad JSON and
+  nesting too deep for the decoder (RecursionError) are all reported the same way."""
+  try:
+    return json.loads(data.decode("utf-8")), None
+  except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+    reason = "it nests too deeply" if isinstance(error, RecursionError) else str(error)
+    return None, issue("invalid_manifest_json",
+                       f"package manifest is not valid UTF-8 JSON: {reason}",
+                       path=MANIFEST_NAME)
 
 
 def manifest_error(path: str, found: list[dict]) -> errors.ManifestError:

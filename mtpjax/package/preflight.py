@@ -133,12 +133,9 @@ def preflight(package_dir: str | pathlib.Path, *, stages: int | None = None,
                        f"{error.strerror or error}", path=manifest_lib.MANIFEST_NAME))
   else:
     digest = manifest_lib.manifest_sha256(data)
-    try:
-      raw = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-      found.append(issue("invalid_manifest_json",
-                         f"package manifest is not valid UTF-8 JSON: {error}",
-                         path=manifest_lib.MANIFEST_NAME))
+    raw, record = manifest_lib.decode_manifest_bytes(data)
+    if record is not None:
+      found.append(record)
     else:
       found.extend(manifest_lib.manifest_issues(raw, root))
   usable = isinstance(raw, dict) and raw.get("schema_version") == 1
@@ -149,8 +146,12 @@ def preflight(package_dir: str | pathlib.Path, *, stages: int | None = None,
       fields[field] = raw.get(field) if is_int(raw.get(field)) and raw[field] > 0 else None
     artifacts, file_issues, parts = _check_artifacts(root, raw, check_sha)
     found.extend(file_issues)
+    plan_layers = fields["layer_count"]
+    listed = raw["layers"] if isinstance(raw.get("layers"), list) else []
+    if plan_layers is not None and plan_layers > len(listed):
+      plan_layers = None   # missing layers are reported above; a plan would be as big as the claim
     if stages is not None:
-      stage_reports, stage_issues = _stage_reports(fields["layer_count"], stages, parts)
+      stage_reports, stage_issues = _stage_reports(plan_layers, stages, parts)
       found.extend(stage_issues)
   report: dict = {"schema_version": REPORT_SCHEMA_VERSION, "package_path": str(root),
                   "valid": not errors_of(found), **fields}

@@ -2,7 +2,8 @@
 
 Nothing is read into RAM at open: gguf-py memory-maps each file, and a stage's tensors are
 yielded one artifact at a time so a converter never holds more than one fragment
-(LAYER_PACKAGES.md §3-§4).
+(LAYER_PACKAGES.md §3-§4). A package artifact is hashed as it is opened for its tensors (the
+pass that brings it into the page cache for the mapping), before any tensor is handed out.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import gguf
 import numpy as np
 
 from mtpjax import errors
-from mtpjax.package import integrity, manifest as manifest_lib, planning
+from mtpjax.package import gguf_header, integrity, manifest as manifest_lib, planning
 from mtpjax.package.gguf_kv import KeyValue, read_key_values
 from mtpjax.package.issues import is_int
 
@@ -95,7 +96,13 @@ def infer_activation_width(tensors: Iterable[TensorInfo]) -> int:
 
 
 def open_gguf(path: pathlib.Path | str) -> gguf.GGUFReader:
-  """gguf-py's memory-mapped reader, with its untyped parse failures turned into PackageError."""
+  """gguf-py's memory-mapped reader, with its untyped parse failures turned into PackageError.
+
+  The header is walked with every count, length and tensor range bounded first
+  (`gguf_header.check_header`), so a crafted file cannot make gguf-py loop or allocate without
+  bound, and no tensor's bytes overlap another's.
+  """
+  gguf_header.check_header(path)
   try:
     reader = gguf.GGUFReader(path)
   except Exception as error:  # gguf-py raises ValueError, KeyError, IndexError ... on bad files
@@ -135,9 +142,19 @@ class _Part:
 
 
 class _OpenFile:
-  def __init__(self, reader: gguf.GGUFReader):
+  def __init__(self, reader: gguf.GGUFReader, part: _Part | None = None):
+    """`part`: a package artifact, whose manifest tensor_count / tensor_bytes must describe the
+    file (a type id rewritten to a smaller type would otherwise still fit its byte range)."""
     self.reader = reader
     self.index = {tensor.name: tensor for tensor in reader.tensors}
+    if part is not None and part.artifact is not None:
+      found = (len(reader.tensors), sum(int(tensor.n_bytes) for tensor in reader.tensors))
+      declared = (part.artifact.tensor_count, part.artifact.tensor_bytes)
+      if found != declared:
+        raise errors.PackageError(
+            f"package artifact {part.path} holds {found[0]} tensors of {found[1]} bytes, but the "
+            f"manifest says {declared[0]} of {declared[1]}", path=str(part.path),
+            field=part.label, remedy="re-download the package or re-split the source GGUF")
 
 
 class ModelSource:
@@ -146,7 +163,8 @@ class ModelSource:
   def __init__(self, *, kind: str, path: pathlib.Path, parts: list[_Part],
                key_values: list[KeyValue], manifest: manifest_lib.Manifest | None = None,
                manifest_sha256: str | None = None, open_files: dict | None = None,
-               verified_artifacts: tuple[str, ...] = ()):
+               verified_artifacts: tuple[str, ...] = (),
+               hashed: frozenset[pathlib.Path] = frozenset()):
     self.kind = kind
     self.path = path
     self.manifest = manifest
@@ -163,6 +181,7 @@ class ModelSource:
     self.arch = arch
     self._parts = parts
     self._open: dict[pathlib.Path, _OpenFile] = dict(open_files or {})
+    self._hashed = set(hashed)   # artifacts whose SHA-256 matched (once per source)
     self._tensors: dict[str, TensorInfo] | None = None
     self._locations: dict[str, _Part] = {}
     if manifest is None:
@@ -181,18 +200,31 @@ class ModelSource:
 
   # -- parts ---------------------------------------------------------------------------------
 
-  def _file(self, part: _Part, *, keep: bool) -> _OpenFile:
-    """Opens a part, checking a package artifact's path and size each time it is opened."""
-    if part.path in self._open:
-      return self._open[part.path]
-    if part.artifact is not None:
-      integrity.verify_part(self.path, part.artifact.path, role=part.label,
-                            artifact_bytes=part.artifact.artifact_bytes,
-                            sha256=part.artifact.sha256, check_sha=False)
-    opened = _OpenFile(open_gguf(part.path))
-    if keep:
-      self._open[part.path] = opened
+  def _file(self, part: _Part, *, keep: bool, tensor_data: bool) -> _OpenFile:
+    """Opens a part, checking a package artifact's path and size each time it is opened; when
+    its tensor data will be read (`tensor_data`), its SHA-256 too (once per source), in the
+    pass that brings the file into the page cache just before its tensors are mapped."""
+    opened = self._open.get(part.path)
+    check_sha = tensor_data and part.artifact is not None and part.path not in self._hashed
+    if part.artifact is not None and (opened is None or check_sha):
+      self._verify(part, check_sha=check_sha)
+    if opened is None:
+      try:
+        opened = _OpenFile(open_gguf(part.path), part)
+      except errors.PackageError:
+        if part.artifact is not None and not check_sha:   # corruption is named as such first
+          self._verify(part, check_sha=True)
+        raise
+      if keep:
+        self._open[part.path] = opened
     return opened
+
+  def _verify(self, part: _Part, *, check_sha: bool) -> None:
+    integrity.verify_part(self.path, part.artifact.path, role=part.label,
+                          artifact_bytes=part.artifact.artifact_bytes,
+                          sha256=part.artifact.sha256, check_sha=check_sha)
+    if check_sha:
+      self._hashed.add(part.path)
 
   def _part_of(self, name: str) -> _Part:
     if self.manifest is None:
@@ -232,7 +264,7 @@ class ModelSource:
     if self._tensors is None:
       found = {}
       for part in self._tensor_parts():
-        opened = self._file(part, keep=self.manifest is None)
+        opened = self._file(part, keep=self.manifest is None, tensor_data=False)
         for tensor in opened.reader.tensors:
           if not self._is_replica(tensor.name, part):
             found[tensor.name] = self._info(tensor, part)
@@ -257,7 +289,7 @@ class ModelSource:
   def raw(self, name: str) -> np.ndarray:
     """gguf-py's memory-mapped view (typed for F32/F16/I*, uint8 bytes for BF16 and quants)."""
     part = self._part_of(name)
-    opened = self._file(part, keep=True)
+    opened = self._file(part, keep=True, tensor_data=True)
     if name not in opened.index:
       raise errors.PackageError(f"tensor {name} is not in {part.path}", path=str(part.path),
                                 remedy="check the tensor name against the source's tensors")
@@ -298,7 +330,7 @@ class ModelSource:
 
     def walk() -> Iterator[tuple[TensorInfo, Any]]:
       for part in parts:
-        opened = self._file(part, keep=False)
+        opened = self._file(part, keep=False, tensor_data=True)
         for tensor in opened.reader.tensors:
           if self._is_replica(tensor.name, part):
             continue
@@ -375,17 +407,23 @@ def _open_package(root: pathlib.Path, verify: str, verify_scope: Any) -> ModelSo
   manifest, digest = manifest_lib.read_manifest(root)
   parts = _package_parts(root, manifest)
   verified = []
+  hashed = set()
   for part in _scope_parts(parts, verify_scope, manifest.layer_count):
+    # shared.metadata is always hashed: its key/values configure everything else
+    check_sha = verify == "sha256" or part is parts[0]
     integrity.verify_part(root, part.artifact.path, role=part.label,
                           artifact_bytes=part.artifact.artifact_bytes, sha256=part.artifact.sha256,
-                          check_sha=verify == "sha256")
+                          check_sha=check_sha)
     verified.append(part.artifact.path)
+    if check_sha:
+      hashed.add(part.path)
   metadata_part = parts[0]
-  opened = _OpenFile(open_gguf(metadata_part.path))
+  opened = _OpenFile(open_gguf(metadata_part.path), metadata_part)
   return ModelSource(kind="package", path=root, parts=parts, manifest=manifest,
                      manifest_sha256=digest,
                      key_values=read_key_values(opened.reader, metadata_part.path),
-                     open_files={metadata_part.path: opened}, verified_artifacts=tuple(verified))
+                     open_files={metadata_part.path: opened}, verified_artifacts=tuple(verified),
+                     hashed=frozenset(hashed))
 
 
 def _open_gguf_files(path: pathlib.Path) -> ModelSource:
@@ -428,8 +466,10 @@ def open_source(path: str | pathlib.Path, *, verify: str = "size",
 
   For a package, the manifest is validated and the artifacts in `verify_scope` ("all",
   "metadata", or a StageRange) are checked now: their size, and with verify="sha256" their hash.
-  Every other artifact's path and size are checked when it is first opened. GGUF inputs carry
-  no expected sizes or hashes, so `verify` does not apply to them.
+  Every other artifact's path and size are checked when it is first opened, and whatever the
+  mode, an artifact's SHA-256 is checked when it is opened for its tensors, before any is read
+  (shared.metadata's at open): a corrupt artifact never loads. GGUF inputs carry no expected
+  sizes or hashes, so `verify` does not apply to them; every GGUF's header is bounds-checked.
   """
   if verify not in VERIFY_MODES:
     raise errors.PackageError(f"verify={verify!r} must be one of {VERIFY_MODES}", field="verify",

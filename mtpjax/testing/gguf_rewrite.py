@@ -16,16 +16,16 @@ import numpy as np
 TensorEdit = Callable[[list], Iterable[tuple[str, Any]]]
 
 
-def rewrite_gguf(source: str | pathlib.Path, path: str | pathlib.Path, *,
+def rewrite_gguf(source: str | pathlib.Path | gguf.GGUFReader, path: str | pathlib.Path, *,
                  keys: Mapping[str, tuple[Any, gguf.GGUFValueType]] | None = None,
                  tensors: TensorEdit | None = None) -> pathlib.Path:
-  """Write `path` as a copy of `source`.
+  """Write `path` as a copy of `source` (a file, or gguf-py's reader of one).
 
   `keys`: {name: (value, type)} added, or replacing the stored value. `tensors`: maps the
   reader's tensor list to the (name, value) pairs to write, in order; a value that is one of
   the reader's tensors is copied as stored, an ndarray is written as float data.
   """
-  reader = gguf.GGUFReader(str(source))
+  reader = source if isinstance(source, gguf.GGUFReader) else gguf.GGUFReader(str(source))
   writer = gguf.GGUFWriter(str(path), reader.fields["general.architecture"].contents())
   keys = dict(keys or {})
   for name, field in reader.fields.items():

@@ -1,0 +1,67 @@
+"""Seeded fuzzing of the demo package (issue 20, item 7): mutated manifests, GGUF headers,
+metadata values and tensor bytes are refused with typed errors, never an untyped exception, a
+hang, an unbounded allocation or a silent load of changed tensor bytes.
+
+About a minute on 2 cores; `python -m tools.fuzz_packages --cases=N` runs the long version.
+"""
+
+import logging
+import os
+import pathlib
+
+from absl.testing import absltest
+
+import mtpjax
+from mtpjax.testing import package_fuzz, package_mutations
+
+DEMO = pathlib.Path(mtpjax.__file__).resolve().parent / "assets" / "glm-demo"
+CASES = 48
+SEED = 20_000
+
+
+def setUpModule():
+  os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")    # the cases are forked
+  logging.getLogger("gguf").setLevel(logging.WARNING)
+
+
+class FuzzPackagesTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.results = package_fuzz.run_cases(DEMO, range(SEED, SEED + CASES), workers=2,
+                                         timeout_s=120)
+
+  def test_no_case_fails(self):
+    failing = [result for result in self.results
+               if result.outcome in package_fuzz.FAILURES + ("harness_error",)]
+    self.assertEqual(failing, [])
+
+  def test_every_kind_of_mutation_ran_and_corruption_was_refused(self):
+    kinds = {result.mutation.split(":")[0] for result in self.results}
+    self.assertEqual(kinds, set(package_mutations.MUTATORS))
+    refused = {result.mutation.split(":")[0] for result in self.results
+               if result.outcome == "refused"}
+    self.assertIn("tensor_bytes", refused)
+    self.assertIn("header_field", refused)
+    self.assertEqual([result for result in self.results
+                      if result.mutation.startswith("tensor_bytes")
+                      and result.outcome != "refused"], [])
+
+
+class HarnessTest(absltest.TestCase):
+  """The watchdogs themselves: a case past its deadline is a hang, one past its address-space
+  limit an allocation failure, never a pass."""
+
+  def test_deadline(self):
+    results = package_fuzz.run_cases(DEMO, [SEED], workers=1, timeout_s=0.05)
+    self.assertEqual([result.outcome for result in results], ["hang"])
+
+  def test_address_space_limit(self):
+    # SEED + 3 edits a metadata value that still loads, so its child parses and reads tensors
+    results = package_fuzz.run_cases(DEMO, [SEED + 3], workers=1, memory_bytes=1 << 20)
+    self.assertIn(results[0].outcome, ("memory", "crash"))
+
+
+if __name__ == "__main__":
+  absltest.main()
