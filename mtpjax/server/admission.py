@@ -42,6 +42,12 @@ class Ticket:
     self._handed_over = False
     self._released = False
 
+  def attach(self, generation: Generation) -> None:
+    """The ticket's generation, cancelled at once if shutdown already cancelled the rest."""
+    self.generation = generation
+    if self._admission.cancel_reason is not None:
+      generation.cancel(self._admission.cancel_reason)
+
   def remaining(self) -> float | None:
     """Seconds to the deadline (None: no deadline)."""
     return None if self.deadline is None else self.deadline - time.monotonic()
@@ -83,6 +89,7 @@ class Admission:
     self.slots = slots
     self.limits = limits
     self.draining = False
+    self.cancel_reason: str | None = None   # set by cancel_all: later generations end at once
     self._tickets: set[Ticket] = set()
     self._durations = collections.deque(maxlen=64)    # seconds of recently answered requests
 
@@ -124,7 +131,8 @@ class Admission:
     self.draining = True
 
   def cancel_all(self, reason: str = "cancelled") -> int:
-    """Cancels every admitted generation; returns how many."""
+    """Cancels every admitted generation, and any submitted later; returns how many."""
+    self.cancel_reason = reason
     live = [t.generation for t in self._tickets if t.generation is not None]
     for generation in live:
       generation.cancel(reason)

@@ -255,7 +255,8 @@ class _Routes:
                      code="engine_unavailable")
 
   def _submit(self, job: _Job, label: str, ticket: Ticket) -> tuple[Generation, _TextAssembler]:
-    generation = ticket.generation = self.service.worker.submit(job.request, label)
+    generation = self.service.worker.submit(job.request, label)
+    ticket.attach(generation)
     return generation, _TextAssembler(self.service.tokenizer, job.request.stop_ids,
                                       job.stop_strings)
 
