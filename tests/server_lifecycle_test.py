@@ -26,6 +26,7 @@ from mtpjax.server.limits import API_KEY_ENV, ServerLimits
 from server_test import MODEL
 
 _KEY = "sk-test-0123456789"
+_ORIGIN = "http://ok.example"
 _LONG = {"model": MODEL, "prompt": "The router computes", "max_tokens": 4000}
 
 
@@ -60,7 +61,7 @@ class LimitsConfigTest(absltest.TestCase):
 
 
 class ApiKeyAndDeadlineTest(absltest.TestCase):
-  """A server with an API key and a 1 s deadline per request."""
+  """A server with an API key, a 1 s deadline per request and one CORS origin."""
 
   @classmethod
   def setUpClass(cls):
@@ -68,7 +69,7 @@ class ApiKeyAndDeadlineTest(absltest.TestCase):
     cls.tmp = tempfile.mkdtemp(prefix="mtpjax-lifecycle-test-")
     cls.server = server_test.ServerProcess(
         cls.tmp, pathlib.Path(cls.tmp) / "server.log", f"--config.server.api_key={_KEY}",
-        "--config.server.request_timeout_s=1", "--config.engine.max_len=8192",
+        "--config.server.request_timeout_s=1", f"--config.server.cors_origins={_ORIGIN}", "--config.engine.max_len=8192",
         "--config.engine.slots=2")
     try:
       cls.url = cls.server.wait_ready()
@@ -99,6 +100,17 @@ class ApiKeyAndDeadlineTest(absltest.TestCase):
     self.assertEqual(httpx.get(self.url + "/metrics").status_code, 200)
     answer = self.client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     self.assertEqual(answer.usage.completion_tokens, 2)
+
+  def test_cors_answers_only_the_configured_origin(self):
+    for origin, allowed in ((_ORIGIN, True), ("http://evil.example", False)):
+      preflight = httpx.options(self.url + "/v1/chat/completions", headers={
+          "origin": origin, "access-control-request-method": "POST",
+          "access-control-request-headers": "authorization,content-type"})
+      self.assertEqual(preflight.headers.get("access-control-allow-origin") == origin, allowed,
+                       preflight.headers)
+      response = self.http.get("/v1/models", headers={"origin": origin})
+      self.assertEqual(response.status_code, 200)
+      self.assertEqual(response.headers.get("access-control-allow-origin") == origin, allowed)
 
   def test_a_request_past_its_deadline_gets_504(self):
     started = time.monotonic()
