@@ -3,7 +3,8 @@
 A package's chat template is untrusted code: the sandbox (`mtpjax.gguf.tokenizer`) stops
 escapes but not work, and a render running in a thread cannot be killed. So the budget is
 enforced inside the render: every loop iteration, call, `~` concatenation, sequence `+`/`*`,
-`**` and output chunk checks the clock and the sizes, and raises `TemplateBudgetExceeded`
+`**`, padding format (`%`, `str.format`, `center`, `indent`, `format`) and output chunk
+checks the clock and the sizes, and raises `TemplateBudgetExceeded`
 (a jinja2 `TemplateError`, so the request gets a clear 400). Loops and concatenations are
 metered by rewriting the template's syntax tree before it compiles.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
+import re
 import time
 from typing import Any, Iterable, Iterator
 
@@ -26,6 +29,9 @@ _LOOP = "__mtpjax_metered_loop"
 _CONCAT = "__mtpjax_metered_concat"
 # str methods whose integer argument is a result width (`"x".center(10**9)`).
 _WIDTH_METHODS = frozenset({"center", "ljust", "rjust", "zfill"})
+# The conversion specs of a %-format and the replacement fields of a str.format string: the
+# numbers in them are widths and precisions, which can make a tiny format build a huge string.
+_FORMAT_SPECS = re.compile(r"%[-#0 +]*[\d*]*(?:\.[\d*]*)?|\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}")
 
 
 class TemplateBudgetExceeded(jinja2.TemplateError):
@@ -91,6 +97,47 @@ def _metered_concat(*parts: Any) -> str:
   return "".join(texts)
 
 
+def _check_format(meter: _Meter, fmt: str, args: Any) -> None:
+  """Refuses a format whose widths, or the width arguments it takes (`*`, `{:{w}}`), exceed
+  the output budget."""
+  values = args if isinstance(args, (tuple, list)) else (
+      list(args.values()) if isinstance(args, dict) else [args])
+  for spec in _FORMAT_SPECS.findall(fmt):
+    widths = [int(n) for n in re.findall(r"\d+", spec)]
+    if "*" in spec or spec.count("{") > 1:
+      widths += [v for v in values if isinstance(v, int)]
+    meter.check_size(max(widths, default=0), "a formatted string")
+
+
+def _budgeted_filter(fn, check):
+  """`fn` (a jinja filter) after `check(meter, *args, **kwargs)`; keeps jinja's pass_* marks."""
+  @functools.wraps(fn)
+  def filtered(*args, **kwargs):
+    meter = _tick()
+    if meter is not None:
+      check(meter, *args, **kwargs)
+    return fn(*args, **kwargs)
+  return filtered
+
+
+def _check_center(meter: _Meter, value: Any, width: int = 80) -> None:
+  meter.check_size(width if isinstance(width, int) else 0, "a string")
+
+
+def _check_indent(meter: _Meter, value: Any, width: int | str = 4, *_, **__) -> None:
+  pad = width if isinstance(width, int) else len(str(width))
+  lines = str(value).count("\n") + 1
+  meter.check_size(len(str(value)) + pad * lines, "an indented string")
+
+
+def _check_format_filter(meter: _Meter, value: Any, *args: Any, **kwargs: Any) -> None:
+  _check_format(meter, str(value), kwargs or args)
+
+
+_FILTER_CHECKS = {"center": _check_center, "indent": _check_indent,
+                  "format": _check_format_filter}
+
+
 def _sized(value: Any) -> int | None:
   return len(value) if isinstance(value, (str, list, tuple)) else None
 
@@ -119,13 +166,17 @@ class _MeterRewriter(NodeTransformer):
 class _BudgetSandbox(_ChatSandbox):
   """The chat sandbox, with calls and size-growing operators metered."""
 
-  intercepted_binops = frozenset({"+", "*", "**"})
+  intercepted_binops = frozenset({"+", "*", "**", "%"})
 
   def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
     meter = _tick()
-    if meter is not None and getattr(__obj, "__name__", None) in _WIDTH_METHODS and isinstance(
-        getattr(__obj, "__self__", None), str) and args and isinstance(args[0], int):
-      meter.check_size(args[0], "a string")
+    name = getattr(__obj, "__name__", None)
+    if meter is not None and isinstance(getattr(__obj, "__self__", None), str):
+      if name in _WIDTH_METHODS and args and isinstance(args[0], int):
+        meter.check_size(args[0], "a string")
+      elif name in ("format", "format_map"):
+        _check_format(meter, __obj.__self__, kwargs or (args[0] if name == "format_map"
+                                                       and args else args))
     return super().call(__context, __obj, *args, **kwargs)
 
   def call_binop(self, context, operator, left, right):
@@ -137,6 +188,8 @@ class _BudgetSandbox(_ChatSandbox):
         for seq, times in ((left, right), (right, left)):
           if _sized(seq) is not None and isinstance(times, int):
             meter.check_size(_sized(seq) * times, "a sequence")
+      elif operator == "%" and isinstance(left, str):
+        _check_format(meter, left, right)
       elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
         meter.check_size(abs(left).bit_length() * right // 3, "a number")   # ~decimal digits
     return super().call_binop(context, operator, left, right)
@@ -170,9 +223,12 @@ class BudgetedChatTemplate(ChatTemplate):
                      eos_token=template.eos_token, path=template._path)
     stock = self._template.environment
     env = _BudgetSandbox(trim_blocks=stock.trim_blocks, lstrip_blocks=stock.lstrip_blocks,
-                         extensions=[type(e) for e in stock.extensions.values()])
+                         extensions=[type(e) for e in stock.extensions.values()],
+                         optimized=False)     # nothing is evaluated at compile time
     env.globals.update(stock.globals, **{_LOOP: _metered_loop, _CONCAT: _metered_concat})
     env.filters.update(stock.filters)
+    env.filters.update({name: _budgeted_filter(env.filters[name], check)
+                        for name, check in _FILTER_CHECKS.items()})
     tree = _MeterRewriter(env).visit(env.parse(self.source))
     self._template = _MeteredTemplate(env.from_string(tree), budget)
     self.budget = budget
