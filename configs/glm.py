@@ -78,6 +78,15 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   config.server.host = "127.0.0.1"
   config.server.port = 8000
   config.server.model_name = "mtpjax-glm-demo"
+  # Reliability limits (mtpjax/server/limits.py): a bad or hostile request fails alone.
+  config.server.max_body_bytes = 4 * 2**20    # larger bodies get 413
+  config.server.max_queue = 256               # requests waiting for a slot; beyond: 429
+  config.server.request_timeout_s = 600.0     # arrival to last token; 0 disables
+  config.server.shutdown_timeout_s = 10.0     # SIGTERM: in-flight requests get this long
+  config.server.template_timeout_s = 1.0      # chat template render budget (time)
+  config.server.template_max_chars = 4 * 2**20   # chat template render budget (output size)
+  config.server.api_key = config_dict.placeholder(str)   # or $MTPJAX_API_KEY; unset: open
+  config.server.cors_origins = ()             # e.g. ("http://localhost:3000",); none: no CORS
 
   config.distributed = ml_collections.ConfigDict()
   config.distributed.coordinator_address = config_dict.placeholder(str)

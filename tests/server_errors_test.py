@@ -94,6 +94,17 @@ _BAD_REQUESTS = (
      "unsupported_value"),
     ("stream_options_without_stream", _CHAT, _chat(stream_options={"include_usage": True}),
      400, "stream_options", None),
+    # Bounded to what the engine represents (issue 20): top_k past int32 used to fail every
+    # live request inside the engine step.
+    ("top_k_past_int32", _COMPLETIONS, _completion(top_k=2**31, temperature=1.0), 400, "top_k",
+     "invalid_value"),
+    ("seed_past_int64", _CHAT, _chat(seed=2**63), 400, "seed", "invalid_value"),
+    ("too_many_stop_strings", _CHAT, _chat(stop=[f"s{i}" for i in range(17)]), 400, "stop",
+     "invalid_value"),
+    ("stop_string_too_long", _COMPLETIONS, _completion(stop="x" * 257), 400, "stop",
+     "invalid_value"),
+    ("too_many_stop_token_ids", _CHAT, _chat(stop_token_ids=[1] * 257), 400, "stop_token_ids",
+     "invalid_value"),
 )
 
 class BadInputTest(server_test.ServerTestBase):

@@ -31,8 +31,9 @@ from absl.testing import absltest, parameterized
 from prometheus_client.parser import text_string_to_metric_families
 
 from mtpjax import embedded, runtime_options
-from mtpjax.testing import embedded_tiny
+from mtpjax.engine.sampling import SamplerParams
 from mtpjax.engine.scheduler import Request, SlotScheduler
+from mtpjax.testing import embedded_tiny
 from mtpjax.gguf.tokenizer import ChatTemplate, GgufTokenizer
 from mtpjax.package.reader import open_source
 from mtpjax.server import metrics as server_metrics
@@ -431,10 +432,12 @@ class MtpOffServerTest(ServerTestBase):
     self.assertEqual(response.choices[0].text, self.decode(tokens[:first], ()))
 
   def test_worker_survives_a_failing_step(self):
-    """A request that fails inside the engine fails alone; the worker restarts and serves on.
+    """A request that fails inside the engine fails alone, while another one is live.
 
-    The worker is driven directly (the HTTP layer would have refused this prompt): the engine's
-    only prefill bucket (16) cannot hold a 20-token prompt, so its prefill raises mid-step.
+    The worker is driven directly (the HTTP layer would have refused these): the engine's
+    only prefill bucket (16) cannot hold a 20-token prompt, and a top_k past int32 cannot be
+    put in the step's arrays, so their prefills raise mid-step; the live request must still
+    get its reference answer.
     """
     engine = self.model.engine(native_mtp=True, slots=2, max_len=64, prefill_buckets=(16,))
     _, settings = runtime_options.consumers_from_resolution(
@@ -452,13 +455,18 @@ class MtpOffServerTest(ServerTestBase):
       return tokens, event.finish_reason
 
     async def scenario():
-      bad = worker.submit(Request(prompt=np.arange(20, dtype=np.int32), max_new_tokens=4), "t")
-      with self.assertRaises(server_worker.EngineFailure):
-        await tokens_of(bad)
       good = worker.submit(Request(prompt=np.asarray(prompt, np.int32),
                                    max_new_tokens=self.NEW_TOKENS, stop_ids=frozenset([eos])),
                            "t")
-      return await tokens_of(good)
+      first = await good.next_event(60)            # live in its slot
+      bad = [worker.submit(Request(prompt=np.arange(20, dtype=np.int32), max_new_tokens=4), "t"),
+             worker.submit(Request(prompt=np.asarray(prompt, np.int32), max_new_tokens=4,
+                                   sampler=SamplerParams(temperature=1.0, top_k=2**31)), "t")]
+      for generation in bad:
+        with self.assertRaises(server_worker.EngineFailure):
+          await tokens_of(generation)
+      tokens, reason = await tokens_of(good)
+      return first + tokens, reason
 
     worker.start()
     try:
@@ -468,7 +476,7 @@ class MtpOffServerTest(ServerTestBase):
     self.assertEqual(tokens, expected)
     self.assertEqual(reason, "stop" if expected[-1] == eos else "length")
     text = metrics.render().decode()
-    self.assertEqual(metric(text, "mtpjax_requests_total", finish_reason="error"), 1)
+    self.assertEqual(metric(text, "mtpjax_requests_total", finish_reason="error"), 2)
     self.assertEqual(metric(text, "mtpjax_requests_total", finish_reason=reason), 1)
     self.assertEqual(metric(text, "mtpjax_requests_in_flight"), 0)
 

@@ -17,6 +17,9 @@ import numpy as np
 
 from mtpjax import errors
 
+# top_k lives in an int32 array inside the compiled step.
+MAX_TOP_K = 2**31 - 1
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplerParams:
@@ -30,9 +33,9 @@ class SamplerParams:
     if not np.isfinite(self.temperature) or self.temperature < 0:
       raise errors.MtpjaxError(f"temperature must be >= 0, got {self.temperature}",
                                field="temperature", remedy="use 0 for greedy decoding")
-    if self.top_k < 0:
-      raise errors.MtpjaxError(f"top_k must be >= 0, got {self.top_k}", field="top_k",
-                               remedy="use 0 to disable top-k")
+    if not 0 <= self.top_k <= MAX_TOP_K:
+      raise errors.MtpjaxError(f"top_k must be in [0, {MAX_TOP_K}], got {self.top_k}",
+                               field="top_k", remedy="use 0 to disable top-k")
     if not (0.0 < self.top_p <= 1.0):
       raise errors.MtpjaxError(f"top_p must be in (0, 1], got {self.top_p}", field="top_p",
                                remedy="use 1.0 to disable nucleus sampling")

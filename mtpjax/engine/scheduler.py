@@ -34,6 +34,16 @@ class Request:
   cancelled: Callable[[], bool] | None = None            # polled every step (client gone)
 
 
+class RequestFailed(Exception):
+  """Admitting one request raised (its prefill); the decode state and other slots are as
+  before, so only this request fails."""
+
+  def __init__(self, request: Request, error: Exception):
+    super().__init__(f"{type(error).__name__}: {error}")
+    self.request = request
+    self.error = error
+
+
 @dataclasses.dataclass
 class Result:
   tokens: list[int]
@@ -199,7 +209,10 @@ class SlotScheduler:
         continue
       request, done = self.waiting.popleft()
       started = time.perf_counter()
-      prefix = self.engine.prefill(request.prompt, request.sampler)
+      try:
+        prefix = self.engine.prefill(request.prompt, request.sampler)
+      except Exception as error:   # nothing of the state is touched yet: fail this one alone
+        raise RequestFailed(request, error) from error
       self.state = self.engine.insert(prefix, self.state, index)
       live = _Live(request=request, done=done, started=started)
       live.counts["target_passes"] += 1

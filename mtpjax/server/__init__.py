@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import signal
 import socket
 import time
 
@@ -18,8 +20,12 @@ from mtpjax import distributed, embedded, errors, speculative
 from mtpjax.engine.contract import warm_up
 from mtpjax.engine.scheduler import AdaptiveDrafting, SlotScheduler
 from mtpjax.gguf.tokenizer import ChatTemplate, GgufTokenizer
+from mtpjax.server.admission import Admission
 from mtpjax.server.app import SamplingDefaults, Service, create_app
+from mtpjax.server.limits import ServerLimits
 from mtpjax.server.metrics import ServerMetrics
+from mtpjax.server.prompts import PromptBuilder
+from mtpjax.server.template_budget import BudgetedChatTemplate, TemplateBudget
 from mtpjax.server.worker import EngineWorker
 
 __all__ = ["Service", "build_service", "create_app", "serve"]
@@ -59,6 +65,7 @@ def build_service(config) -> Service:
   _refuse_multi_process(config)
   speculative.strategy_from_config(config, config.model.name)   # a bad value fails before I/O
   drafting_policy = AdaptiveDrafting.from_mode(config.engine.adaptive_drafting)
+  limits = ServerLimits.from_config(config.server)
   engine_cfg = config.engine
   max_prompt = _max_prompt_tokens(engine_cfg.max_len, tuple(engine_cfg.prefill_buckets))
   source = embedded.resolve_source(config)
@@ -73,7 +80,9 @@ def build_service(config) -> Service:
                         max_len=settings.max_len, prefill_buckets=settings.prefill_buckets,
                         timing=settings.timing)
   tokenizer = GgufTokenizer.from_metadata(model.metadata, path=source)
-  chat_template = ChatTemplate.from_metadata(model.metadata, path=source)
+  chat_template = BudgetedChatTemplate(
+      ChatTemplate.from_metadata(model.metadata, path=source),
+      TemplateBudget(seconds=limits.template_timeout_s, max_chars=limits.template_max_chars))
 
   scheduler = SlotScheduler(engine, adaptive=drafting_policy)
   warm_s = _warm_up(scheduler)
@@ -91,20 +100,45 @@ def build_service(config) -> Service:
   return Service(model_name=model_name, settings=settings, resolution=resolution,
                  tokenizer=tokenizer, chat_template=chat_template, worker=worker,
                  metrics=metrics, defaults=defaults, max_prompt_tokens=max_prompt,
-                 seeds=random.Random(config.engine.seed))
+                 seeds=random.Random(config.engine.seed), limits=limits,
+                 admission=Admission(settings.slots, limits),
+                 prompts=PromptBuilder(tokenizer, chat_template))
 
 
 class _Server(uvicorn.Server):
-  """Logs the ready line once uvicorn has started serving on the bound socket."""
+  """Logs the ready line once serving; shuts down gracefully on SIGTERM/SIGINT.
 
-  def __init__(self, config: uvicorn.Config, ready_message: str):
+  Shutdown stops admitting (new requests get 503, the listening socket closes), lets in-flight
+  requests finish for `server.shutdown_timeout_s`, then cancels the rest: each stream ends with
+  finish_reason "cancelled" and `data: [DONE]`, each non-streaming request gets its text so far.
+  """
+
+  def __init__(self, config: uvicorn.Config, ready_message: str, service: Service):
     super().__init__(config)
     self._ready_message = ready_message
+    self._service = service
 
   async def startup(self, sockets=None) -> None:
     await super().startup(sockets=sockets)
     if self.started:
       logging.info("%s", self._ready_message)
+
+  async def shutdown(self, sockets=None) -> None:
+    admission = self._service.admission
+    admission.drain()
+    timeout = self._service.limits.shutdown_timeout_s
+    logging.info("shutting down: %d requests in flight get %g s to finish", admission.active,
+                 timeout)
+
+    async def cancel_late() -> None:
+      await asyncio.sleep(timeout)
+      logging.info("shutdown deadline: cancelling %d requests", admission.cancel_all())
+
+    late = asyncio.ensure_future(cancel_late())
+    try:
+      await super().shutdown(sockets=sockets)
+    finally:
+      late.cancel()
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -131,8 +165,14 @@ def serve(config) -> None:
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     ready = (f"mtpjax ready: serving {service.model_name!r} at {url}/v1 (native MTP "
              f"{'on' if service.settings.native_mtp else 'off'})")
+    # Cancelled requests end within an engine step; the margin covers their last sends.
     server = _Server(uvicorn.Config(create_app(service), log_level="warning",
-                                    timeout_graceful_shutdown=5), ready)
+                                    timeout_graceful_shutdown=service.limits.shutdown_timeout_s
+                                    + 5), ready, service)
+    # uvicorn re-raises the signal that stopped it once it has shut down; after a graceful
+    # shutdown that must not kill the process, which exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     server.run(sockets=[sock])
   finally:
     service.worker.stop()
+    service.prompts.close()

@@ -9,6 +9,7 @@ string), and a match cancels the request so that its slot frees at the next step
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import random
@@ -20,6 +21,7 @@ import fastapi
 import numpy as np
 from fastapi import responses
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from mtpjax import errors
 from mtpjax.engine.scheduler import Request
@@ -27,13 +29,15 @@ from mtpjax.engine.sampling import SamplerParams
 from mtpjax.gguf.tokenizer import ChatTemplate, GgufTokenizer
 from mtpjax.runtime_options import GenerationSettings
 from mtpjax.server import schemas
+from mtpjax.server.admission import Admission, Ticket
+from mtpjax.server.guards import RequestGuards
+from mtpjax.server.limits import ServerLimits
 from mtpjax.server.metrics import CONTENT_TYPE, ServerMetrics
+from mtpjax.server.prompts import PromptBuilder
 from mtpjax.server.schemas import ApiError
+from mtpjax.server.template_budget import TemplateBudgetExceeded
 from mtpjax.server.worker import EngineFailure, EngineWorker, Finished, Generation
 from mtpjax.speculative import SpeculativeResolution
-
-# How often a non-streaming handler checks whether its client is still connected.
-_DISCONNECT_POLL_S = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +62,9 @@ class Service:
   defaults: SamplingDefaults
   max_prompt_tokens: int
   seeds: random.Random            # seeds for requests that do not give one (config.engine.seed)
+  limits: ServerLimits
+  admission: Admission
+  prompts: PromptBuilder          # template rendering and tokenization, off the event loop
   created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
   @property
@@ -145,6 +152,12 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
           "total_tokens": prompt_tokens + completion_tokens}
 
 
+async def _client_gone(http: fastapi.Request) -> None:
+  """Returns when the client closes the connection (its body has been read already)."""
+  while (await http.receive())["type"] != "http.disconnect":
+    pass
+
+
 def _sse(payload: dict | str) -> str:
   data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
   return f"data: {data}\n\n"
@@ -191,6 +204,8 @@ class _Routes:
     extra_ids = list(body.stop_token_ids or ())
     self._check_ids(extra_ids, "stop_token_ids")
     top_k = s.defaults.top_k if body.top_k is None else max(body.top_k, 0)
+    if top_k >= s.tokenizer.vocab_size:     # keeps every token, as top-k off does
+      top_k = 0
     sampler = SamplerParams(
         temperature=s.defaults.temperature if body.temperature is None else body.temperature,
         top_k=top_k, top_p=s.defaults.top_p if body.top_p is None else body.top_p,
@@ -204,11 +219,11 @@ class _Routes:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return _Job(request, body.stop_strings(), include_usage)
 
-  def _completion_job(self, body: schemas.CompletionRequest) -> _Job:
+  async def _completion_job(self, body: schemas.CompletionRequest) -> _Job:
     self._check_model(body.model)
     prompt = body.prompt_input()
     if isinstance(prompt, str):
-      ids = self.service.tokenizer.encode(prompt)
+      ids = await self.service.prompts.encode(prompt)
     else:
       ids = list(prompt)
       self._check_ids(ids, "prompt")
@@ -217,15 +232,15 @@ class _Routes:
     return self._job(body, ids, budget=body.max_tokens, budget_param="max_tokens",
                      stop_ids=stop_ids, prompt_param="prompt")
 
-  def _chat_job(self, body: schemas.ChatCompletionRequest) -> _Job:
+  async def _chat_job(self, body: schemas.ChatCompletionRequest) -> _Job:
     self._check_model(body.model)
     try:
-      text = self.service.chat_template.render(
-          [m.template_dict() for m in body.messages], add_generation_prompt=True,
-          **(body.chat_template_kwargs or {}))
+      ids = await self.service.prompts.chat_ids([m.template_dict() for m in body.messages],
+                                                body.chat_template_kwargs or {})
     except errors.MtpjaxError as e:
-      raise ApiError(400, e.message, param="messages", code="invalid_value") from None
-    ids = self.service.tokenizer.encode(text)
+      over = isinstance(e.__cause__, TemplateBudgetExceeded)
+      raise ApiError(400, e.message, param="messages",
+                     code="template_budget_exceeded" if over else "invalid_value") from None
     if not ids:
       raise ApiError(400, "the messages render to an empty prompt", param="messages")
     budget_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
@@ -239,8 +254,9 @@ class _Routes:
       raise ApiError(503, "the engine is not running", type=schemas.SERVER_ERROR,
                      code="engine_unavailable")
 
-  def _submit(self, job: _Job, label: str) -> tuple[Generation, _TextAssembler]:
+  def _submit(self, job: _Job, label: str, ticket: Ticket) -> tuple[Generation, _TextAssembler]:
     generation = self.service.worker.submit(job.request, label)
+    ticket.attach(generation)
     return generation, _TextAssembler(self.service.tokenizer, job.request.stop_ids,
                                       job.stop_strings)
 
@@ -248,20 +264,28 @@ class _Routes:
   def _finish_reason(text: _TextAssembler, finished: Finished | None) -> str:
     return "stop" if text.hit_stop_string or finished is None else finished.finish_reason
 
-  async def _collect(self, job: _Job, label: str, http: fastapi.Request
+  async def _next_event(self, generation: Generation, ticket: Ticket) -> list[int] | Finished:
+    """The generation's next event, or 504 once the request's deadline has passed."""
+    try:
+      return await generation.next_event(ticket.remaining())
+    except TimeoutError:
+      raise ApiError(504, "the request ran past its deadline of "
+                     f"{self.service.limits.request_timeout_s:g} s (server.request_timeout_s); "
+                     "ask for fewer tokens or retry later", type=schemas.SERVER_ERROR,
+                     code="deadline_exceeded") from None
+
+  async def _collect(self, job: _Job, label: str, http: fastapi.Request, ticket: Ticket
                      ) -> tuple[str, str, dict[str, int]]:
-    """(text, finish_reason, usage) of a whole generation; a client that leaves cancels it."""
+    """(text, finish_reason, usage) of a whole generation; a client that leaves cancels it
+    at once (a watcher awaits the connection's disconnect message)."""
     self._check_alive()
-    generation, text = self._submit(job, label)
+    generation, text = self._submit(job, label, ticket)
+    gone = asyncio.ensure_future(_client_gone(http))
+    gone.add_done_callback(lambda task: task.cancelled() or generation.cancel())
     finished = None
     try:
       while finished is None and not text.hit_stop_string:
-        try:
-          event = await generation.next_event(_DISCONNECT_POLL_S)
-        except TimeoutError:
-          if await http.is_disconnected():
-            raise ApiError(499, "the client closed the connection", code="client_closed")
-          continue
+        event = await self._next_event(generation, ticket)
         if isinstance(event, Finished):
           finished = event
         else:
@@ -269,26 +293,31 @@ class _Routes:
     except EngineFailure as e:
       raise ApiError(500, str(e), type=schemas.SERVER_ERROR, code="engine_failure") from None
     finally:
-      if finished is None:              # stop string, client gone, or the handler cancelled
+      client_left = gone.done() and not gone.cancelled()
+      gone.cancel()
+      if finished is None:              # stop string, deadline, or the handler cancelled
         generation.cancel("stop" if text.hit_stop_string else "cancelled")
+    if client_left:
+      raise ApiError(499, "the client closed the connection", code="client_closed")
     text.finish()
     return text.text, self._finish_reason(text, finished), _usage(len(job.request.prompt),
                                                                   text.tokens)
 
   async def _stream(self, job: _Job, label: str,
-                    chunk: Callable[[str | None, str | None], dict | None]) -> AsyncIterator[str]:
+                    chunk: Callable[[str | None, str | None], dict | None],
+                    ticket: Ticket) -> AsyncIterator[str]:
     """SSE events; `chunk(delta, finish_reason)` builds each payload (delta None: the opener).
 
     Starlette cancels this generator when the client disconnects; `finally` then frees the slot.
     """
-    generation, text = self._submit(job, label)
+    generation, text = self._submit(job, label, ticket)
     finished = None
     try:
       opener = chunk(None, None)
       if opener is not None:
         yield _sse(opener)
       while finished is None and not text.hit_stop_string:
-        event = await generation.next_event()
+        event = await self._next_event(generation, ticket)
         if isinstance(event, Finished):
           finished = event
           delta = text.finish()
@@ -305,6 +334,9 @@ class _Routes:
     except EngineFailure as e:
       self.service.metrics.on_error(500, "engine_failure")
       yield _sse(schemas.error_body(str(e), type=schemas.SERVER_ERROR, code="engine_failure"))
+    except ApiError as e:               # the deadline passed
+      self.service.metrics.on_error(e.status, e.code)
+      yield _sse(e.body())
     finally:
       if finished is None:              # the client went away (no-op after a stop string)
         generation.cancel()
@@ -314,7 +346,12 @@ class _Routes:
 
   async def completions(self, http: fastapi.Request):
     body = schemas.parse_body(schemas.CompletionRequest, await http.body())
-    job = self._completion_job(body)
+    with self.service.admission.enter() as ticket:
+      return await self._completion(http, body, ticket)
+
+  async def _completion(self, http: fastapi.Request, body: schemas.CompletionRequest,
+                        ticket: Ticket):
+    job = await self._completion_job(body)
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.service.model_name
 
     def chunk(delta: str | None, finish_reason: str | None) -> dict | None:
@@ -326,16 +363,20 @@ class _Routes:
 
     if body.stream:
       self._check_alive()
-      return responses.StreamingResponse(self._stream(job, "completions", chunk),
-                                         media_type="text/event-stream")
-    content, reason, usage = await self._collect(job, "completions", http)
+      return ticket.stream(self._stream(job, "completions", chunk, ticket))
+    content, reason, usage = await self._collect(job, "completions", http, ticket)
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": content, "logprobs": None,
                          "finish_reason": reason}], "usage": usage}
 
   async def chat_completions(self, http: fastapi.Request):
     body = schemas.parse_body(schemas.ChatCompletionRequest, await http.body())
-    job = self._chat_job(body)
+    with self.service.admission.enter() as ticket:
+      return await self._chat_completion(http, body, ticket)
+
+  async def _chat_completion(self, http: fastapi.Request, body: schemas.ChatCompletionRequest,
+                             ticket: Ticket):
+    job = await self._chat_job(body)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.service.model_name
 
     def chunk(delta: str | None, finish_reason: str | None) -> dict:
@@ -347,9 +388,8 @@ class _Routes:
 
     if body.stream:
       self._check_alive()
-      return responses.StreamingResponse(self._stream(job, "chat", chunk),
-                                         media_type="text/event-stream")
-    content, reason, usage = await self._collect(job, "chat", http)
+      return ticket.stream(self._stream(job, "chat", chunk, ticket))
+    content, reason, usage = await self._collect(job, "chat", http, ticket)
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
                          "logprobs": None, "finish_reason": reason}], "usage": usage}
@@ -365,9 +405,13 @@ class _Routes:
     if not self.service.worker.alive:
       raise ApiError(503, "the engine thread is not running", type=schemas.SERVER_ERROR,
                      code="engine_unavailable")
+    if self.service.admission.draining:
+      raise ApiError(503, "the server is shutting down", type=schemas.SERVER_ERROR,
+                     code="shutting_down")
     return {"status": "ok", "model": self.service.model_name,
             "native_mtp": self.service.settings.native_mtp,
-            "requests_in_flight": self.service.worker.running}
+            "requests_in_flight": self.service.worker.running,
+            "requests_queued": self.service.admission.queued}
 
   async def metrics(self):
     return responses.Response(self.service.metrics.render(), media_type=CONTENT_TYPE)
@@ -384,13 +428,13 @@ def create_app(service: Service) -> fastapi.FastAPI:
   app.add_api_route("/health", routes.health, methods=["GET"])
   app.add_api_route("/metrics", routes.metrics, methods=["GET"])
 
-  def reply(status: int, body: dict) -> responses.JSONResponse:
+  def reply(status: int, body: dict, headers: dict | None = None) -> responses.JSONResponse:
     service.metrics.on_error(status, body["error"]["code"])
-    return responses.JSONResponse(body, status_code=status)
+    return responses.JSONResponse(body, status_code=status, headers=headers)
 
   @app.exception_handler(ApiError)
   async def api_error(_, e: ApiError):
-    return reply(e.status, e.body())
+    return reply(e.status, e.body(), getattr(e, "headers", None))
 
   @app.exception_handler(StarletteHTTPException)
   async def http_error(_, e: StarletteHTTPException):
@@ -403,4 +447,9 @@ def create_app(service: Service) -> fastapi.FastAPI:
     return reply(500, schemas.error_body(f"internal error: {type(e).__name__}: {e}",
                                          type=schemas.SERVER_ERROR, code="internal_error"))
 
+  limits = service.limits
+  app.add_middleware(RequestGuards, limits=limits, on_error=service.metrics.on_error)
+  if limits.cors_origins:             # outermost, so preflights are answered before the guards
+    app.add_middleware(CORSMiddleware, allow_origins=list(limits.cors_origins),
+                       allow_methods=["GET", "POST"], allow_headers=["*"])
   return app

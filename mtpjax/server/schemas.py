@@ -17,6 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field
 INVALID_REQUEST = "invalid_request_error"
 NOT_FOUND = "not_found_error"
 SERVER_ERROR = "server_error"
+RATE_LIMIT = "rate_limit_error"
+
+# Bounds on list-valued fields (each stop string is matched against the text at every token).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 
 
 class ApiError(Exception):
@@ -58,10 +64,11 @@ class _GenerationRequest(_Strict):
   max_tokens: int | None = Field(default=None, ge=1)
   temperature: float | None = Field(default=None, ge=0.0, le=2.0)
   top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-  top_k: int | None = Field(default=None, ge=-1)           # extension (vLLM): -1 or 0 = off
-  seed: int | None = None
+  # extension (vLLM): -1 or 0 = off; beyond the vocabulary = off; beyond int32: refused
+  top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
+  seed: int | None = Field(default=None, ge=-2**63, le=2**63 - 1)   # OpenAI's int64
   stop: str | list[str] | None = None
-  stop_token_ids: list[int] | None = None                  # extension (vLLM)
+  stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM
   n: int | None = Field(default=None, ge=1)
   stream: bool = False
   stream_options: StreamOptions | None = None
@@ -75,6 +82,9 @@ class _GenerationRequest(_Strict):
     stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
     if any(s == "" for s in stops):
       raise ApiError(400, "stop strings must not be empty", param="stop")
+    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+      raise ApiError(400, f"send at most {MAX_STOP_STRINGS} stop strings of at most "
+                     f"{MAX_STOP_CHARS} characters each", param="stop", code="invalid_value")
     return tuple(stops)
 
   def check(self) -> None:

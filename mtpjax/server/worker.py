@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from absl import logging
 
-from mtpjax.engine.scheduler import Request, Result, SlotScheduler
+from mtpjax.engine.scheduler import Request, RequestFailed, Result, SlotScheduler
 from mtpjax.telemetry import MtpStats
 
 
@@ -153,19 +153,21 @@ class EngineWorker:
       self._observer.on_finish(generation,
                                generation.finish(generation.unserved_result("cancelled")))
       return
-    key = id(generation)
     on_tokens = generation.request.on_tokens
 
     def counted(tokens: list[int]) -> None:
       self._observer.on_tokens(generation, len(tokens))
       on_tokens(tokens)
 
+    scheduled = dataclasses.replace(generation.request, on_tokens=counted)
+    key = id(scheduled)          # what the scheduler hands back in a RequestFailed
+
     def done(result: Result) -> None:
       self._live.pop(key, None)
       self._observer.on_finish(generation, generation.finish(result))
 
     try:
-      self.scheduler.submit(dataclasses.replace(generation.request, on_tokens=counted), done)
+      self.scheduler.submit(scheduled, done)
     except Exception as error:  # a request the scheduler refuses fails alone
       self._observer.on_finish(generation, generation.fail(error))
       return
@@ -197,6 +199,11 @@ class EngineWorker:
         samples = self.scheduler.occupancy_samples
         self._observer.on_step(list(samples), time.perf_counter() - started)
         samples.clear()                 # the scheduler keeps every sample; bound its memory
+      except RequestFailed as failure:  # one request's prefill raised: the state is intact
+        logging.warning("a request failed on admission: %s", failure)
+        generation = self._live.pop(id(failure.request), None)
+        if generation is not None:
+          self._observer.on_finish(generation, generation.fail(failure.error))
       except Exception as error:  # one bad step must not take the server down
         logging.exception("engine step failed; failing %d live requests and restarting "
                           "with a fresh decode state", len(self._live))

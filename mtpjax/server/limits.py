@@ -1,0 +1,63 @@
+"""The server's reliability limits (`config.server.*`), checked once at startup.
+
+One hostile or unlucky request must not hurt the others: bodies, queue length, time per
+request, chat-template work and shutdown are all bounded by these values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from mtpjax import errors
+
+API_KEY_ENV = "MTPJAX_API_KEY"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+  """Defaults are the config's; 0 for `request_timeout_s` means no deadline."""
+  max_body_bytes: int = 4 * 2**20
+  max_queue: int = 256
+  request_timeout_s: float = 600.0
+  shutdown_timeout_s: float = 10.0
+  template_timeout_s: float = 1.0
+  template_max_chars: int = 4 * 2**20
+  api_key: str | None = None
+  cors_origins: tuple[str, ...] = ()
+
+  @classmethod
+  def from_config(cls, server) -> "ServerLimits":
+    """`server` is `config.server`; the API key falls back to $MTPJAX_API_KEY."""
+    limits = cls(
+        max_body_bytes=int(server.max_body_bytes), max_queue=int(server.max_queue),
+        request_timeout_s=float(server.request_timeout_s),
+        shutdown_timeout_s=float(server.shutdown_timeout_s),
+        template_timeout_s=float(server.template_timeout_s),
+        template_max_chars=int(server.template_max_chars),
+        api_key=server.api_key or os.environ.get(API_KEY_ENV) or None,
+        cors_origins=tuple(server.cors_origins))
+    limits.check()
+    return limits
+
+  def check(self) -> None:
+    positive = {"max_body_bytes": self.max_body_bytes, "shutdown_timeout_s":
+                self.shutdown_timeout_s, "template_timeout_s": self.template_timeout_s,
+                "template_max_chars": self.template_max_chars}
+    for name, value in positive.items():
+      if not (math.isfinite(value) and value > 0):
+        raise errors.MtpjaxError(f"server.{name} must be > 0, got {value}",
+                                 field=f"server.{name}", remedy="set a positive value")
+    if self.max_queue < 0:
+      raise errors.MtpjaxError(f"server.max_queue must be >= 0, got {self.max_queue}",
+                               field="server.max_queue",
+                               remedy="set 0 to refuse requests while every slot is busy")
+    if not (math.isfinite(self.request_timeout_s) and self.request_timeout_s >= 0):
+      raise errors.MtpjaxError(
+          f"server.request_timeout_s must be >= 0, got {self.request_timeout_s}",
+          field="server.request_timeout_s", remedy="set 0 for no deadline")
+
+  @property
+  def deadline_s(self) -> float | None:
+    return self.request_timeout_s or None

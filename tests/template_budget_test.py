@@ -1,0 +1,97 @@
+"""Chat templates under a budget: hostile templates stop with a clear error, others render as before.
+
+Hostile sizes depend on `messages` so that no compile-time constant folding (the stock
+renderer folds constant expressions when it compiles) evaluates them outside a render.
+
+References: the stock sandboxed `ChatTemplate` (the renderer without a budget) for the benign
+templates, and the clock for the hostile ones (each must stop near its 0.3 s budget instead of
+running for minutes or allocating gigabytes).
+"""
+
+from __future__ import annotations
+
+import time
+
+from absl.testing import absltest, parameterized
+
+from mtpjax import embedded, errors
+from mtpjax.gguf.tokenizer import ChatTemplate
+from mtpjax.package.reader import open_source
+from mtpjax.server.template_budget import (BudgetedChatTemplate, TemplateBudget,
+                                           TemplateBudgetExceeded)
+
+_BUDGET = TemplateBudget(seconds=0.3, max_chars=100_000)
+_MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}]
+
+
+def _demo_template() -> ChatTemplate:
+  with open_source(embedded.DEMO_PACKAGE) as source:
+    return ChatTemplate.from_metadata(dict(source.metadata))
+
+
+class TemplateBudgetTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("nested_loops", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+       "{% endfor %}"),
+      ("nested_loops_with_loop_var", "{% for i in range(100000) %}{% for j in range(100000) %}"
+       "{{ loop.index if loop.last }}{% endfor %}{% endfor %}"),
+      ("output", "{% for i in range(100000) %}{{ 'abcdefghij' }}{% endfor %}"),
+      ("literal_output", "{% for i in range(100000) %}0123456789{% endfor %}"),
+      ("repeat", "{{ 'a' * (messages|length * 250000000) }}"),
+      ("list_repeat", "{{ ([1] * (messages|length * 250000000))|length }}"),
+      ("power", "{{ 10 ** (messages|length * 250000000) }}"),
+      ("doubling_concat", "{% set ns = namespace(s='ab') %}{% for i in range(60) %}"
+       "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}"),
+      ("doubling_plus", "{% set ns = namespace(s='ab') %}{% for i in range(60) %}"
+       "{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s|length }}"),
+      ("center_method", "{{ 'x'.center(messages|length * 250000000) }}"),
+      ("center_filter", "{{ 'x'|center(messages|length * 250000000) }}"),
+      ("indent_filter", "{{ 'x\\ny'|indent(messages|length * 250000000) }}"),
+      ("percent_format", "{{ ('%' ~ (messages|length * 250000000) ~ 'd') % 1 }}"),
+      ("percent_star", "{{ '%*d' % ((messages|length * 250000000), 1) }}"),
+      ("format_filter", "{{ ('%' ~ (messages|length * 250000000) ~ 's')|format('x') }}"),
+      ("str_format", "{{ ('{:>' ~ (messages|length * 250000000) ~ '}').format('x') }}"),
+      ("str_format_nested", "{{ '{:>{w}}'.format('x', w=(messages|length * 250000000)) }}"),
+      ("recursive_macro", "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}"
+       "{% endmacro %}{{ f(40) }}"),
+  )
+  def test_hostile_template_stops_within_its_budget(self, source):
+    template = BudgetedChatTemplate(ChatTemplate(source), _BUDGET)
+    started = time.perf_counter()
+    with self.assertRaises(errors.ConversionError) as raised:
+      template.render(_MESSAGES, add_generation_prompt=True)
+    self.assertLess(time.perf_counter() - started, 5.0)
+    self.assertIsInstance(raised.exception.__cause__, TemplateBudgetExceeded)
+    self.assertRegex(raised.exception.message, "server.template_(timeout_s|max_chars)")
+
+  @parameterized.named_parameters(
+      ("default_glm", None),
+      ("demo_package", "demo"),
+      ("features", "{% for m in messages %}{{ loop.index }}:{{ m.role|upper }}"
+       "{{ ' ' ~ m.content|indent(2) }}{{ '%-6s|' % m.role }}{{ '{:>4}'.format(loop.length) }}"
+       "{{ m.content|center(12) }}{% if loop.last %}{{ ([1] + [2]) * 2 }}{% endif %}"
+       "{% endfor %}{{ 2 ** 10 }}{{ 7 % 3 }}{{ 'x' * 3 }}{{ messages|tojson }}"
+       "{% if add_generation_prompt %}<|assistant|>{% endif %}"),
+  )
+  def test_benign_template_renders_as_the_stock_renderer(self, source):
+    stock = _demo_template() if source == "demo" else ChatTemplate(source)
+    budgeted = BudgetedChatTemplate(stock, _BUDGET)
+    for messages in (_MESSAGES, _MESSAGES[1:2], []):
+      for prompt in (True, False):
+        self.assertEqual(budgeted.render(messages, add_generation_prompt=prompt),
+                         stock.render(messages, add_generation_prompt=prompt))
+
+  def test_template_errors_keep_their_meaning(self):
+    template = BudgetedChatTemplate(ChatTemplate(
+        "{{ raise_exception('no system role') }}"), _BUDGET)
+    with self.assertRaisesRegex(errors.ConversionError, "no system role"):
+      template.render(_MESSAGES)
+    unsafe = BudgetedChatTemplate(ChatTemplate("{{ messages.__class__ }}"), _BUDGET)
+    with self.assertRaisesRegex(errors.ConversionError, "unsafe"):
+      unsafe.render(_MESSAGES)
+
+
+if __name__ == "__main__":
+  absltest.main()
