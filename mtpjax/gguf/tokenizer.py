@@ -286,7 +286,7 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
                     sort_keys=sort_keys)
 
 
-class _ChatSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+class ChatSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
   """Immutable sandbox in which touching an unsafe attribute fails at once.
 
   The stock sandbox returns an undefined value that only fails when used further, so
@@ -306,9 +306,8 @@ class ChatTemplate:
     self.source = source or DEFAULT_GLM_CHAT_TEMPLATE
     self.bos_token = bos_token
     self.eos_token = eos_token
-    self._path = path
-    env = _ChatSandbox(trim_blocks=True, lstrip_blocks=True,
-                       extensions=[jinja2.ext.loopcontrols])
+    self.path = path
+    env = ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.globals["raise_exception"] = _raise_exception
     env.filters["tojson"] = _tojson
     try:
@@ -350,6 +349,6 @@ class ChatTemplate:
       raise self._error(f"chat template failed: {type(e).__name__}: {e}") from e
 
   def _error(self, message: str) -> ConversionError:
-    return ConversionError(message, path=self._path, field=CHAT_TEMPLATE_KEY,
+    return ConversionError(message, path=self.path, field=CHAT_TEMPLATE_KEY,
                            remedy="check the request's messages, or replace the GGUF's chat "
                            "template with a trusted one")

@@ -23,7 +23,7 @@ from jinja2 import nodes
 from jinja2.visitor import NodeTransformer
 
 # The package's own sandbox (refuses unsafe attributes loudly), extended here with budgets.
-from mtpjax.gguf.tokenizer import ChatTemplate, _ChatSandbox
+from mtpjax.gguf.tokenizer import ChatSandbox, ChatTemplate
 
 _LOOP = "__mtpjax_metered_loop"
 _CONCAT = "__mtpjax_metered_concat"
@@ -163,7 +163,7 @@ class _MeterRewriter(NodeTransformer):
     return self._call(_CONCAT, list(node.nodes), node.lineno)
 
 
-class _BudgetSandbox(_ChatSandbox):
+class _BudgetSandbox(ChatSandbox):
   """The chat sandbox, with calls and size-growing operators metered."""
 
   intercepted_binops = frozenset({"+", "*", "**", "%"})
@@ -220,7 +220,7 @@ class BudgetedChatTemplate(ChatTemplate):
 
   def __init__(self, template: ChatTemplate, budget: TemplateBudget):
     super().__init__(template.source, bos_token=template.bos_token,
-                     eos_token=template.eos_token, path=template._path)
+                     eos_token=template.eos_token, path=template.path)
     stock = self._template.environment
     env = _BudgetSandbox(trim_blocks=stock.trim_blocks, lstrip_blocks=stock.lstrip_blocks,
                          extensions=[type(e) for e in stock.extensions.values()],
