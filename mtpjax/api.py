@@ -21,7 +21,7 @@ from flax import nnx
 from mtpjax import checkpoint, errors, loading, runtime_options, sharding, speculative
 from mtpjax.engine.decode import Engine, EngineConfig, pow2_bucket
 from mtpjax.engine.generate import AdaptiveDrafting, Request, Result, SlotScheduler
-from mtpjax.engine.sampling import SamplerParams
+from mtpjax.engine.sampling import MAX_TOP_LOGPROBS, SamplerParams
 from mtpjax.models.config import ModelConfig, config_from_gguf
 from mtpjax.models.glm4_moe import StageLayout, init_kv, previous_hidden
 from mtpjax.package.manifest import parse_manifest
@@ -177,12 +177,13 @@ class Model:
         source_path=str(self.source.path))
 
   def engine(self, *, native_mtp: bool, slots: int = 1, max_len: int = 512,
-             prefill_buckets: Sequence[int] | None = None, timing: bool = False) -> Engine:
+             prefill_buckets: Sequence[int] | None = None, timing: bool = False,
+             logprobs: int = 0) -> Engine:
     """A compiled engine, cached by its settings so repeated calls reuse the compiled steps."""
     buckets = tuple(prefill_buckets) if prefill_buckets else tuple(
         b for b in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if b <= max_len + 2)
     engine_cfg = EngineConfig(slots=slots, max_len=max_len, prefill_buckets=buckets,
-                              native_mtp=native_mtp, timing=timing)
+                              native_mtp=native_mtp, timing=timing, logprobs=logprobs)
     if engine_cfg not in self._engines:
       self._engines[engine_cfg] = self._make_engine(engine_cfg)
     return self._engines[engine_cfg]
@@ -195,8 +196,10 @@ class Model:
   def generate(self, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids=(),
                speculative: str | None = None, timing: bool = False,
-               adaptive_drafting: bool = True) -> Result:
+               adaptive_drafting: bool = True, logprobs: bool = False) -> Result:
     """Decode one prompt; `Result.tokens` and `Result.stats` (MTP counters).
+
+    `logprobs`: `Result.logprobs` holds each token's logprob and top MAX_TOP_LOGPROBS.
 
     With `adaptive_drafting`, MTP pauses while its drafts keep being rejected (see
     `AdaptiveDrafting`); the tokens are the same either way.
@@ -205,10 +208,11 @@ class Model:
                   else self.resolve(speculative).native_mtp)
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     max_len = max(128, pow2_bucket(prompt.size + max_new_tokens + 1))
-    engine = self.engine(native_mtp=native_mtp, max_len=max_len, timing=timing)
+    engine = self.engine(native_mtp=native_mtp, max_len=max_len, timing=timing,
+                         logprobs=MAX_TOP_LOGPROBS if logprobs else 0)
     request = Request(prompt=prompt, max_new_tokens=int(max_new_tokens),
                       sampler=SamplerParams(temperature, top_k, top_p, seed),
-                      stop_ids=frozenset(int(t) for t in stop_ids))
+                      stop_ids=frozenset(int(t) for t in stop_ids), logprobs=logprobs)
     policy = AdaptiveDrafting() if adaptive_drafting else None
     return SlotScheduler(engine, adaptive=policy).run([request])[0]
 

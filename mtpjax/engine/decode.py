@@ -32,7 +32,8 @@ import numpy as np
 from flax import nnx
 
 from mtpjax import errors
-from mtpjax.engine.sampling import SamplerParams, greedy_tokens, request_key, sample
+from mtpjax.engine.sampling import (SamplerParams, greedy_tokens, request_key, sample,
+                                    token_logprobs)
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.glm4_moe import init_kv, kv_cache_shapes, previous_hidden
 from mtpjax.models.layers import live_slots, write_rows
@@ -71,6 +72,7 @@ class EngineConfig:
   prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
   native_mtp: bool = False
   timing: bool = False                     # sync after draft and verify to time them
+  logprobs: int = 0                        # top logprobs per committed token (0: none computed)
 
   @property
   def cache_len(self) -> int:
@@ -158,6 +160,8 @@ class Engine:
     self.engine_cfg = engine_cfg
     self.dtype = dtype
     self.trace_counts: dict[str, int] = {}
+    # The last prefill's or step's logprobs on the host (`step_logprobs`), with engine.logprobs.
+    self.last_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     # The slot counts a step compiles for (`slots_for`): powers of two below `slots`, and it.
     self.slot_buckets = tuple(sorted({min(2 ** i, engine_cfg.slots)
                                       for i in range(engine_cfg.slots.bit_length() + 1)}))
@@ -216,17 +220,23 @@ class Engine:
     """Run a prompt; the bucket leaves one row for the first sampled token's MTP row."""
     tokens, length = self.engine_cfg.padded_prompt(prompt)
     keys, temperature, top_k, top_p = _sampler_arrays(sampler.validate())
-    return self._prefill(self._leaves, tokens, np.int32(length), keys,
-                         temperature, top_k, top_p)
+    prefix, logprobs = self._prefill(self._leaves, tokens, np.int32(length), keys,
+                                     temperature, top_k, top_p)
+    self._keep_logprobs(logprobs)
+    return prefix
 
   def _prefill_fn(self, leaves, tokens, length, keys, temperature, top_k, top_p) -> DecodeState:
     model = self._model(leaves)
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
     kv = init_kv(self.cfg, self.cfg.n_layers, 1, self.engine_cfg.cache_len, self.dtype)
     hidden, kv = model.forward(tokens, positions, kv)
+    logits = None
+    if self.engine_cfg.logprobs:
+      logits = model.lm_logits(jax.lax.dynamic_index_in_dim(hidden, length - 1, axis=1,
+                                                           keepdims=False))
     prefix = prefill_commit(model, self.engine_cfg, tokens, hidden, length,
-                            (keys, temperature, top_k, top_p))
-    return prefix.replace(kv=kv)
+                            (keys, temperature, top_k, top_p), logits)
+    return prefix.replace(kv=kv), self._logprobs(logits, prefix.current)
 
   def insert(self, prefix: DecodeState, state: DecodeState, slot: int) -> DecodeState:
     lag = self._known_lag(state)
@@ -256,22 +266,26 @@ class Engine:
     active = np.asarray(active, bool)
     k = self.slots_for(active)          # the step runs over slots [0, k) only
     if not self.engine_cfg.native_mtp:
-      state, result = self._decode(self._leaves, state, active[:k])
+      state, result, logprobs = self._decode(self._leaves, state, active[:k])
+      self._keep_logprobs(logprobs)
       return state, self._all_slots(result), {}
     drafting = np.ones(active.shape, bool) if drafting is None else np.asarray(drafting, bool)
     if not (drafting[active].any() if active.any() else drafting.any()):
       lag = self._known_lag(state)
-      state, result = self._plain(self._leaves, state, active[:k])
+      state, result, logprobs = self._plain(self._leaves, state, active[:k])
+      self._keep_logprobs(logprobs)
       return (self._with_lag(None if lag is None else lag + active, state),
               self._all_slots(result), {})
     state = self.catch_up(state, active)
     lag = self._known_lag(state)       # a drafting step leaves the lag as it is
     if not self.engine_cfg.timing:
-      state, result = self._fused(self._leaves, state, active[:k], drafting[:k])
+      state, result, logprobs = self._fused(self._leaves, state, active[:k], drafting[:k])
+      self._keep_logprobs(logprobs)
       return self._with_lag(lag, state), self._all_slots(result), {}
     start = time.perf_counter()
-    state, verified = self._verify(self._leaves, state, active[:k])
+    state, verified, logprobs = self._verify(self._leaves, state, active[:k])
     jax.block_until_ready(verified)
+    self._keep_logprobs(logprobs)
     mid = time.perf_counter()
     state, result = self._draft(self._leaves, state, verified, active[:k], drafting[:k])
     result = self._all_slots(result)
@@ -279,6 +293,22 @@ class Engine:
     return self._with_lag(lag, state), result, {
         "verification_compute_us": int((mid - start) * 1e6),
         "proposal_compute_us": int((end - mid) * 1e6)}
+
+  @property
+  def computes_logprobs(self) -> bool:
+    return self.engine_cfg.logprobs > 0
+
+  def _logprobs(self, logits, tokens):
+    """`token_logprobs` of the committed rows (logits [B, R, V] or [B, V], tokens [B, R] or
+    [B]) as [B, R] arrays, or None when the engine computes no logprobs."""
+    if logits is None:
+      return None
+    if tokens.ndim == 1:
+      logits, tokens = logits[:, None], tokens[:, None]
+    return token_logprobs(logits, tokens, self.engine_cfg.logprobs)
+
+  def _keep_logprobs(self, logprobs) -> None:
+    self.last_logprobs = None if logprobs is None else tuple(jax.device_get(logprobs))
 
   def slots_for(self, active: np.ndarray) -> int:
     """How many leading slots a step computes: the smallest bucket that holds every active
@@ -319,8 +349,10 @@ class Engine:
     part = first_slots(state, active.shape[0])
     hidden, kv = model.forward(
         *step_inputs(part.current, part.draft, part.pos, native_mtp=False), state.kv)
-    part, result = decode_commit(model, part, hidden, active)
-    return with_slots(state, part.replace(kv=kv)), result
+    logits = model.lm_logits(hidden[:, 0]) if self.engine_cfg.logprobs else None
+    part, result = decode_commit(model, part, hidden, active, logits)
+    return (with_slots(state, part.replace(kv=kv)), result,
+            self._logprobs(logits, result[:, TOKEN_A]))
 
   def _verify_fn(self, leaves, state: DecodeState, active):
     """Target pass over [current, draft]; returns the sampled tokens and hiddens."""
@@ -328,7 +360,10 @@ class Engine:
     part = first_slots(state, active.shape[0])
     hidden, kv = model.forward(
         *step_inputs(part.current, part.draft, part.pos, native_mtp=True), state.kv)
-    return state.replace(kv=kv), verify_tokens(model, part, hidden)
+    logits = model.lm_logits(hidden) if self.engine_cfg.logprobs else None
+    verified = verify_tokens(model, part, hidden, logits)
+    return (state.replace(kv=kv), verified,
+            self._logprobs(logits, jnp.stack(verified[:2], axis=1)))
 
   def _draft_fn(self, leaves, state: DecodeState, verified, active, drafting):
     part = first_slots(state, active.shape[0])
@@ -336,8 +371,8 @@ class Engine:
     return with_slots(state, part), result
 
   def _fused_fn(self, leaves, state: DecodeState, active, drafting):
-    state, verified = self._verify_fn(leaves, state, active)
-    return self._draft_fn(leaves, state, verified, active, drafting)
+    state, verified, logprobs = self._verify_fn(leaves, state, active)
+    return (*self._draft_fn(leaves, state, verified, active, drafting), logprobs)
 
   def _plain_fn(self, leaves, state: DecodeState, active):
     """A step without drafting: decode one position, record the row's MTP inputs."""
@@ -345,8 +380,9 @@ class Engine:
     part = first_slots(state, active.shape[0])
     hidden, kv = model.forward(
         *step_inputs(part.current, part.draft, part.pos, native_mtp=False), state.kv)
-    part, result = plain_commit(model, part.replace(kv=kv), hidden, active)
-    return with_slots(state, part), result
+    logits = model.lm_logits(hidden[:, 0]) if self.engine_cfg.logprobs else None
+    part, result = plain_commit(model, part.replace(kv=kv), hidden, active, logits)
+    return with_slots(state, part), result, self._logprobs(logits, result[:, TOKEN_A])
 
   def _catch_up_fn(self, leaves, state: DecodeState, active):
     part = first_slots(state, active.shape[0])
@@ -403,15 +439,18 @@ def mtp_fields(cfg: ModelConfig, engine_cfg: EngineConfig, batch: int, dtype, ze
 
 
 def prefill_commit(model, engine_cfg: EngineConfig, tokens, hidden, length,
-                   sampler: tuple) -> DecodeState:
+                   sampler: tuple, logits=None) -> DecodeState:
   """Sample the first token from the prompt's last hidden and, with MTP, draft the next one.
 
-  `hidden` [1, bucket, D] is the post-norm trunk output; the result has `kv=[]`.
+  `hidden` [1, bucket, D] is the post-norm trunk output; the result has `kv=[]`. `logits`:
+  the head's output for the last row, when the caller already has it (the commit functions
+  take it so that logprobs cost no second head pass).
   """
   keys, temperature, top_k, top_p = sampler
   positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
   last = jax.lax.dynamic_index_in_dim(hidden, length - 1, axis=1, keepdims=False)  # [1, D]
-  first = sample(model.lm_logits(last), keys, length[None], temperature, top_k, top_p)
+  logits = model.lm_logits(last) if logits is None else logits
+  first = sample(logits, keys, length[None], temperature, top_k, top_p)
   fields = mtp_fields(model.cfg, engine_cfg, 1, model.dtype, jnp.zeros)
   draft = jnp.zeros((1,), jnp.int32)
   if engine_cfg.native_mtp:
@@ -425,9 +464,11 @@ def prefill_commit(model, engine_cfg: EngineConfig, tokens, hidden, length,
                      h_prev=last, keys=keys, temperature=temperature, top_k=top_k, top_p=top_p)
 
 
-def decode_commit(model, state: DecodeState, hidden, active) -> tuple[DecodeState, jax.Array]:
+def decode_commit(model, state: DecodeState, hidden, active,
+                  logits=None) -> tuple[DecodeState, jax.Array]:
   """Plain decoding: sample one token per slot from `hidden` [B, 1, D] and commit it."""
-  token = sample(model.lm_logits(hidden[:, 0]), state.keys, state.pos + 1, state.temperature,
+  logits = model.lm_logits(hidden[:, 0]) if logits is None else logits
+  token = sample(logits, state.keys, state.pos + 1, state.temperature,
                  state.top_k, state.top_p)
   zeros = jnp.zeros_like(token)
   result = jnp.stack([token, zeros, jnp.ones_like(token), zeros], axis=1)
@@ -437,9 +478,10 @@ def decode_commit(model, state: DecodeState, hidden, active) -> tuple[DecodeStat
   return state, result
 
 
-def verify_tokens(model, state: DecodeState, hidden) -> tuple[jax.Array, jax.Array, jax.Array]:
+def verify_tokens(model, state: DecodeState, hidden,
+                  logits=None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Sample the target's tokens at both verify positions; (token_a, token_b, hidden)."""
-  logits = model.lm_logits(hidden)                                       # [B, 2, V]
+  logits = model.lm_logits(hidden) if logits is None else logits         # [B, 2, V]
   batch, rows, vocab = logits.shape
   # Both positions in one `sample` call: one greedy-or-sampled branch per step (a GPU reads a
   # conditional's predicate back on the host).
@@ -480,7 +522,8 @@ def draft_commit(model, state: DecodeState, verified, active,
   return state, result
 
 
-def plain_commit(model, state: DecodeState, hidden, active) -> tuple[DecodeState, jax.Array]:
+def plain_commit(model, state: DecodeState, hidden, active,
+                 logits=None) -> tuple[DecodeState, jax.Array]:
   """Commit one sampled token per slot without the MTP block: the new row's MTP inputs
   (token, h_pos) go to the history and the slot's MTP KV falls one more row behind.
   The draft is left as it was (a stale draft is only ever rejected).
@@ -488,7 +531,7 @@ def plain_commit(model, state: DecodeState, hidden, active) -> tuple[DecodeState
   Only these steps write the history: the rows a catch-up reads are exactly the rows committed
   by plain steps since the slot was last caught up.
   """
-  committed, result = decode_commit(model, state, hidden, active)
+  committed, result = decode_commit(model, state, hidden, active, logits)
   start = state.pos + 1
   return committed.replace(
       history_tokens=write_rows(state.history_tokens, committed.current[:, None], start),
