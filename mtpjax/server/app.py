@@ -26,10 +26,11 @@ from mtpjax.engine.generate import Request
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.gguf.tokenizer import ChatTemplate, GgufTokenizer
 from mtpjax.runtime_options import GenerationSettings
+from mtpjax.server import logprobs as logprob_format
 from mtpjax.server import schemas
 from mtpjax.server.metrics import CONTENT_TYPE, ServerMetrics
 from mtpjax.server.schemas import ApiError
-from mtpjax.server.worker import EngineFailure, EngineWorker, Finished, Generation
+from mtpjax.server.worker import EngineFailure, EngineWorker, Finished, Generation, LogprobBatch
 from mtpjax.speculative import SpeculativeResolution
 
 # How often a non-streaming handler checks whether its client is still connected.
@@ -57,6 +58,7 @@ class Service:
   metrics: ServerMetrics
   defaults: SamplingDefaults
   max_prompt_tokens: int
+  top_logprobs: int               # alternatives per token the engine computes (0: no logprobs)
   seeds: random.Random            # seeds for requests that do not give one (config.engine.seed)
   created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -83,6 +85,7 @@ class _Job:
   request: Request
   stop_strings: tuple[str, ...]
   include_usage: bool
+  top_logprobs: int | None        # None: the request asked for no logprobs
 
 
 class _TextAssembler:
@@ -98,12 +101,16 @@ class _TextAssembler:
     self.sent = 0
     self.tokens = 0
     self.hit_stop_string = False
+    self.logprobs: list = []      # TokenLogprobs of the counted tokens
+    self._logprobs_sent = 0
 
-  def feed(self, tokens: list[int]) -> str:
-    for token in tokens:
+  def feed(self, tokens: list[int], logprobs: list | None = None) -> str:
+    for i, token in enumerate(tokens):
       if self.hit_stop_string:
         break
       self.tokens += 1
+      if logprobs is not None:
+        self.logprobs.append(logprobs[i])
       if token not in self._stop_ids:      # a stop id ends the text without showing itself
         self._append(self._detok.push(token))
     return self._release(final=False)
@@ -112,6 +119,12 @@ class _TextAssembler:
     if not self.hit_stop_string:
       self._append(self._detok.flush())
     return self._release(final=True)
+
+  def new_logprobs(self) -> list:
+    """The TokenLogprobs fed since the last call (streamed with the next chunk)."""
+    entries = self.logprobs[self._logprobs_sent:]
+    self._logprobs_sent = len(self.logprobs)
+    return entries
 
   def _append(self, piece: str) -> None:
     if not piece:
@@ -202,7 +215,13 @@ class _Routes:
     request = Request(prompt=np.asarray(prompt_ids, np.int32), max_new_tokens=budget,
                       sampler=sampler, stop_ids=stop_ids | frozenset(extra_ids))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return _Job(request, body.stop_strings(), include_usage)
+    top_logprobs = body.top_logprobs_wanted()
+    if top_logprobs is not None:
+      if not s.top_logprobs:
+        raise schemas.unsupported("logprobs", "this server computes no logprobs (a pipelined "
+                                  "engine, or engine.logprobs = 0); leave logprobs unset")
+      request = dataclasses.replace(request, logprobs=True)
+    return _Job(request, body.stop_strings(), include_usage, top_logprobs)
 
   def _completion_job(self, body: schemas.CompletionRequest) -> _Job:
     self._check_model(body.model)
@@ -249,11 +268,13 @@ class _Routes:
     return "stop" if text.hit_stop_string or finished is None else finished.finish_reason
 
   async def _collect(self, job: _Job, label: str, http: fastapi.Request
-                     ) -> tuple[str, str, dict[str, int]]:
-    """(text, finish_reason, usage) of a whole generation; a client that leaves cancels it."""
+                     ) -> tuple[str, str, dict[str, int], list]:
+    """(text, finish_reason, usage, TokenLogprobs) of a whole generation; a client that
+    leaves cancels it."""
     self._check_alive()
     generation, text = self._submit(job, label)
     finished = None
+    logprobs = None
     try:
       while finished is None and not text.hit_stop_string:
         try:
@@ -264,43 +285,50 @@ class _Routes:
           continue
         if isinstance(event, Finished):
           finished = event
+        elif isinstance(event, LogprobBatch):
+          logprobs = event.entries
         else:
-          text.feed(event)
+          text.feed(event, logprobs)
     except EngineFailure as e:
       raise ApiError(500, str(e), type=schemas.SERVER_ERROR, code="engine_failure") from None
     finally:
       if finished is None:              # stop string, client gone, or the handler cancelled
         generation.cancel("stop" if text.hit_stop_string else "cancelled")
     text.finish()
-    return text.text, self._finish_reason(text, finished), _usage(len(job.request.prompt),
-                                                                  text.tokens)
+    return (text.text, self._finish_reason(text, finished),
+            _usage(len(job.request.prompt), text.tokens), text.logprobs)
 
   async def _stream(self, job: _Job, label: str,
-                    chunk: Callable[[str | None, str | None], dict | None]) -> AsyncIterator[str]:
-    """SSE events; `chunk(delta, finish_reason)` builds each payload (delta None: the opener).
+                    chunk: Callable[..., dict | None]) -> AsyncIterator[str]:
+    """SSE events; `chunk(delta, finish_reason, logprobs)` builds each payload (delta None:
+    the opener); `logprobs` are the TokenLogprobs of the tokens since the last chunk.
 
     Starlette cancels this generator when the client disconnects; `finally` then frees the slot.
     """
     generation, text = self._submit(job, label)
     finished = None
+    logprobs = None
     try:
-      opener = chunk(None, None)
+      opener = chunk(None, None, [])
       if opener is not None:
         yield _sse(opener)
       while finished is None and not text.hit_stop_string:
         event = await generation.next_event()
+        if isinstance(event, LogprobBatch):
+          logprobs = event.entries
+          continue
         if isinstance(event, Finished):
           finished = event
           delta = text.finish()
         else:
-          delta = text.feed(event)
+          delta = text.feed(event, logprobs)
           if text.hit_stop_string:
             generation.cancel("stop")   # free the slot now, not after the last sends
         if delta:
-          yield _sse(chunk(delta, None))
-      yield _sse(chunk("", self._finish_reason(text, finished)))
+          yield _sse(chunk(delta, None, text.new_logprobs()))
+      yield _sse(chunk("", self._finish_reason(text, finished), text.new_logprobs()))
       if job.include_usage:
-        yield _sse({**chunk("", None), "choices": [],
+        yield _sse({**chunk("", None, []), "choices": [],
                     "usage": _usage(len(job.request.prompt), text.tokens)})
     except EngineFailure as e:
       self.service.metrics.on_error(500, "engine_failure")
@@ -317,20 +345,31 @@ class _Routes:
     job = self._completion_job(body)
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.service.model_name
 
-    def chunk(delta: str | None, finish_reason: str | None) -> dict | None:
+    offset = 0
+
+    def logprobs(entries: list, start: int) -> dict | None:
+      if job.top_logprobs is None:
+        return None
+      return logprob_format.completion_logprobs(entries, self.service.tokenizer,
+                                                job.top_logprobs, start)
+
+    def chunk(delta: str | None, finish_reason: str | None, entries: list) -> dict | None:
+      nonlocal offset
       if delta is None:
         return None
+      choice = {"index": 0, "text": delta, "logprobs": logprobs(entries, offset),
+                "finish_reason": finish_reason}
+      offset += len(delta)
       return {"id": rid, "object": "text_completion", "created": created, "model": model,
-              "choices": [{"index": 0, "text": delta, "logprobs": None,
-                           "finish_reason": finish_reason}]}
+              "choices": [choice]}
 
     if body.stream:
       self._check_alive()
       return responses.StreamingResponse(self._stream(job, "completions", chunk),
                                          media_type="text/event-stream")
-    content, reason, usage = await self._collect(job, "completions", http)
+    content, reason, usage, entries = await self._collect(job, "completions", http)
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": content, "logprobs": None,
+            "choices": [{"index": 0, "text": content, "logprobs": logprobs(entries, 0),
                          "finish_reason": reason}], "usage": usage}
 
   async def chat_completions(self, http: fastapi.Request):
@@ -338,21 +377,28 @@ class _Routes:
     job = self._chat_job(body)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.service.model_name
 
-    def chunk(delta: str | None, finish_reason: str | None) -> dict:
+    def logprobs(entries: list) -> dict | None:
+      if job.top_logprobs is None:
+        return None
+      return logprob_format.chat_logprobs(entries, self.service.tokenizer, job.top_logprobs)
+
+    def chunk(delta: str | None, finish_reason: str | None, entries: list) -> dict:
       message = ({"role": "assistant", "content": ""} if delta is None
-                 else {} if finish_reason is not None else {"content": delta})
+                 else {} if finish_reason is not None and not delta else {"content": delta})
       return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-              "choices": [{"index": 0, "delta": message, "logprobs": None,
+              "choices": [{"index": 0, "delta": message,
+                           "logprobs": logprobs(entries) if entries else None,
                            "finish_reason": finish_reason}]}
 
     if body.stream:
       self._check_alive()
       return responses.StreamingResponse(self._stream(job, "chat", chunk),
                                          media_type="text/event-stream")
-    content, reason, usage = await self._collect(job, "chat", http)
+    content, reason, usage, entries = await self._collect(job, "chat", http)
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                         "logprobs": None, "finish_reason": reason}], "usage": usage}
+                         "logprobs": logprobs(entries), "finish_reason": reason}],
+            "usage": usage}
 
   async def models(self):
     return {"object": "list", "data": [self.service.model_card()]}

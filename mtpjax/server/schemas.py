@@ -3,8 +3,9 @@
 Models are strict (`"5"` is not an int, `true` is not a number) so that a client bug shows up
 as a 400 naming the field instead of a silently coerced value. Fields the OpenAI API defines
 but mtpjax does not implement are accepted only at their neutral value: a client that asks for
-logprobs or penalties gets a clear 400, never an answer that quietly ignored the request.
-Unknown fields are ignored, as most OpenAI-compatible servers do.
+penalties gets a clear 400, never an answer that quietly ignored the request. A field mtpjax
+does not know at all (another server's extension, a typo) is a 400 `unsupported_field` naming
+it, for the same reason.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
+
+from mtpjax.engine.sampling import MAX_TOP_LOGPROBS
 
 INVALID_REQUEST = "invalid_request_error"
 NOT_FOUND = "not_found_error"
@@ -45,7 +48,7 @@ def unsupported(param: str, message: str) -> ApiError:
 
 
 class _Strict(BaseModel):
-  model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+  model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -96,7 +99,7 @@ class _GenerationRequest(_Strict):
 class CompletionRequest(_GenerationRequest):
   prompt: str | list[int] | list[str] | list[list[int]]
   echo: bool = False
-  logprobs: int | None = None
+  logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
   best_of: int | None = None
   suffix: str | None = None
 
@@ -104,12 +107,13 @@ class CompletionRequest(_GenerationRequest):
     super().check()
     if self.echo:
       raise unsupported("echo", "echo is not supported; leave it false")
-    if self.logprobs not in (None, 0):
-      raise unsupported("logprobs", "logprobs is not supported; leave it unset")
     if self.best_of not in (None, 1):
       raise unsupported("best_of", "best_of is not supported; leave it unset or 1")
     if self.suffix:
       raise unsupported("suffix", "suffix (insertion) is not supported; leave it unset")
+
+  def top_logprobs_wanted(self) -> int | None:
+    return self.logprobs
 
   def prompt_input(self) -> str | list[int]:
     """The single prompt, as text or token ids; a batch of prompts is rejected."""
@@ -152,6 +156,7 @@ class ChatCompletionRequest(_GenerationRequest):
   messages: list[ChatMessage] = Field(min_length=1)
   max_completion_tokens: int | None = Field(default=None, ge=1)
   logprobs: bool = False
+  top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
   tools: list[Any] | None = None
   response_format: dict[str, Any] | None = None
   chat_template_kwargs: dict[str, Any] | None = None      # extension (vLLM): e.g. enable_thinking
@@ -162,8 +167,8 @@ class ChatCompletionRequest(_GenerationRequest):
         and self.max_tokens != self.max_completion_tokens):
       raise ApiError(400, "max_tokens and max_completion_tokens disagree; send one of them",
                      param="max_completion_tokens")
-    if self.logprobs:
-      raise unsupported("logprobs", "logprobs is not supported; leave it false")
+    if self.top_logprobs is not None and not self.logprobs:
+      raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if self.tools:
       raise unsupported("tools", "tool calling is not supported; leave tools unset")
     reserved = sorted(_RESERVED_TEMPLATE_VARIABLES & set(self.chat_template_kwargs or ()))
@@ -173,6 +178,9 @@ class ChatCompletionRequest(_GenerationRequest):
     if self.response_format and self.response_format.get("type", "text") != "text":
       raise unsupported("response_format", "only response_format {\"type\": \"text\"} is "
                         "supported")
+
+  def top_logprobs_wanted(self) -> int | None:
+    return (self.top_logprobs or 0) if self.logprobs else None
 
   @property
   def token_budget(self) -> int | None:
@@ -201,6 +209,10 @@ def parse_body(model: type[_GenerationRequest], body: bytes) -> _GenerationReque
     if first["type"] == "model_type":
       raise ApiError(400, "the request body must be a JSON object", code="invalid_json") from None
     param = _param(first["loc"])
+    unknown = [_param(p["loc"]) for p in problems if p["type"] == "extra_forbidden"]
+    if unknown:
+      raise ApiError(400, f"{unknown[0]} is not supported by this server; remove it",
+                     param=unknown[0], code="unsupported_field") from None
     message = f"{param}: {first['msg']}" if param else first["msg"]
     if len(problems) > 1:
       more = len(problems) - 1
