@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mtpjax import checkpoint, errors, loading, runtime_options, sharding, speculative
+from mtpjax import checkpoint, errors, loading, runtime_options, sharding, speculative, text
 from mtpjax.engine.decode import Engine, EngineConfig, pow2_bucket
 from mtpjax.engine.generate import AdaptiveDrafting, Request, Result, SlotScheduler
 from mtpjax.engine.sampling import MAX_TOP_LOGPROBS, SamplerParams
@@ -80,6 +80,19 @@ class Model:
   @property
   def metadata(self) -> dict:
     return self.source.metadata
+
+  @functools.cached_property
+  def tokenizer(self) -> text.Tokenizer:
+    """encode / decode / apply_chat_template, from the model's GGUF metadata."""
+    return text.Tokenizer.from_metadata(self.metadata, path=str(self.source.path))
+
+  def generate_text(self, prompt, **kwargs) -> text.TextResult:
+    """Text (or chat messages) in, text out; see `mtpjax.text.generate_text`."""
+    return text.generate_text(self, prompt, **kwargs)
+
+  def chat(self, messages, **kwargs) -> text.TextResult:
+    """The assistant's reply to chat messages; see `mtpjax.text.chat`."""
+    return text.chat(self, messages, **kwargs)
 
   # --- weights ------------------------------------------------------------------------------
 
