@@ -10,6 +10,7 @@ it, for the same reason.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 import pydantic
@@ -139,17 +140,76 @@ class TextPart(_Strict):
   text: str
 
 
+class FunctionCall(_Strict):
+  name: str
+  arguments: str                          # JSON text, as OpenAI sends it
+
+
+class ToolCallItem(_Strict):
+  id: str
+  type: Literal["function"]
+  function: FunctionCall
+
+
 class ChatMessage(_Strict):
   role: Literal["system", "developer", "user", "assistant", "tool"]
   content: str | list[TextPart] | None = None
+  name: str | None = None
+  tool_calls: list[ToolCallItem] | None = None           # an assistant's earlier calls
+  tool_call_id: str | None = None                        # a tool result's call
+  reasoning_content: str | None = None                   # an assistant's earlier thinking
 
-  def template_dict(self) -> dict[str, str]:
-    """What the chat template sees: OpenAI's `developer` is the system turn of older APIs."""
+  def template_dict(self) -> dict[str, Any]:
+    """What the chat template sees: OpenAI's `developer` is the system turn of older APIs;
+    call arguments are objects, as GLM templates iterate them (`arguments.items()`)."""
     if isinstance(self.content, list):
       text = "".join(part.text for part in self.content)
     else:
       text = self.content or ""
-    return {"role": "system" if self.role == "developer" else self.role, "content": text}
+    message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": text}
+    for field in ("name", "tool_call_id", "reasoning_content"):
+      if getattr(self, field) is not None:
+        message[field] = getattr(self, field)
+    if self.tool_calls:
+      message["tool_calls"] = [
+          {"id": call.id, "type": "function",
+           "function": {"name": call.function.name,
+                        "arguments": _arguments(call.function.arguments)}}
+          for call in self.tool_calls]
+    return message
+
+
+def _arguments(text: str) -> dict[str, Any]:
+  try:
+    arguments = json.loads(text)
+  except ValueError:
+    arguments = None
+  if not isinstance(arguments, dict):
+    raise ApiError(400, f"tool call arguments must be a JSON object, got {text[:80]!r}",
+                   param="messages", code="invalid_value")
+  return arguments
+
+
+class FunctionDefinition(_Strict):
+  name: str = Field(pattern=r"^[A-Za-z0-9_.:\-]{1,64}$")
+  description: str | None = None
+  parameters: dict[str, Any] | None = None
+  strict: bool | None = None
+
+
+class Tool(_Strict):
+  type: Literal["function"]
+  function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+  name: str
+
+
+class NamedToolChoice(_Strict):
+  type: Literal["function"]
+  function: NamedFunction
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -157,7 +217,9 @@ class ChatCompletionRequest(_GenerationRequest):
   max_completion_tokens: int | None = Field(default=None, ge=1)
   logprobs: bool = False
   top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-  tools: list[Any] | None = None
+  tools: list[Tool] | None = None
+  tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+  parallel_tool_calls: bool | None = None
   response_format: dict[str, Any] | None = None
   chat_template_kwargs: dict[str, Any] | None = None      # extension (vLLM): e.g. enable_thinking
 
@@ -169,8 +231,16 @@ class ChatCompletionRequest(_GenerationRequest):
                      param="max_completion_tokens")
     if self.top_logprobs is not None and not self.logprobs:
       raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    if self.tools:
-      raise unsupported("tools", "tool calling is not supported; leave tools unset")
+    offered = [tool.function.name for tool in self.tools or ()]
+    choice = self.tool_choice
+    if choice not in (None, "none", "auto") and not offered:
+      raise ApiError(400, "tool_choice requires tools", param="tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in offered:
+      raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among "
+                     f"the tools {offered}", param="tool_choice")
+    if self.parallel_tool_calls is False:
+      raise unsupported("parallel_tool_calls", "parallel_tool_calls: false is not supported "
+                        "(GLM may call several tools in one reply); leave it unset")
     reserved = sorted(_RESERVED_TEMPLATE_VARIABLES & set(self.chat_template_kwargs or ()))
     if reserved:
       raise ApiError(400, f"chat_template_kwargs may not set {reserved}: the server sets them",
@@ -181,6 +251,20 @@ class ChatCompletionRequest(_GenerationRequest):
 
   def top_logprobs_wanted(self) -> int | None:
     return (self.top_logprobs or 0) if self.logprobs else None
+
+  def template_tools(self) -> list[dict[str, Any]] | None:
+    """The tools the template renders (none with tool_choice "none")."""
+    if not self.tools or self.tool_choice == "none":
+      return None
+    return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+  def forced_function(self) -> str | None:
+    """The function tool_choice forces: "" for any (required), its name, or None."""
+    if self.tool_choice == "required":
+      return ""
+    if isinstance(self.tool_choice, NamedToolChoice):
+      return self.tool_choice.function.name
+    return None
 
   @property
   def token_budget(self) -> int | None:
