@@ -19,8 +19,9 @@ def prompt_opens_thinking(prompt: str) -> bool:
   return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
 
 
-def _partial_tag(text: str, tag: str) -> int:
-  """Length of the longest tail of `text` that is a proper prefix of `tag`."""
+def partial_tag(text: str, tag: str) -> int:
+  """Length of the longest tail of `text` that is a proper prefix of `tag` (text to hold back
+  while streaming: it may still become the tag)."""
   for size in range(min(len(tag) - 1, len(text)), 0, -1):
     if tag.startswith(text[-size:]):
       return size
@@ -44,7 +45,7 @@ class ReasoningParser:
       if self.thinking:
         end = buffer.find(CLOSE)
         if end < 0:
-          hold = 0 if final else _partial_tag(buffer, CLOSE)
+          hold = 0 if final else partial_tag(buffer, CLOSE)
           reasoning.append(buffer[:len(buffer) - hold])
           self._pending = buffer[len(buffer) - hold:]
           break

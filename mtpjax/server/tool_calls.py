@@ -28,6 +28,8 @@ import re
 import uuid
 from typing import Any, Iterator, Mapping, Sequence
 
+from mtpjax.server.reasoning import partial_tag
+
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
 _PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
@@ -95,13 +97,6 @@ def parse_call(block: str, tools: Sequence[Mapping[str, Any]]) -> ToolCall | Non
   return ToolCall(name, arguments)
 
 
-def _partial_open(text: str) -> int:
-  for size in range(min(len(OPEN) - 1, len(text)), 0, -1):
-    if OPEN.startswith(text[-size:]):
-      return size
-  return 0
-
-
 class ToolCallParser:
   """Answer text deltas -> content text and complete ToolCalls, in order."""
 
@@ -116,7 +111,7 @@ class ToolCallParser:
     while self._buffer:
       start = self._buffer.find(OPEN)
       if start < 0:
-        hold = 0 if final else _partial_open(self._buffer)
+        hold = 0 if final else partial_tag(self._buffer, OPEN)
         content = self._buffer[:len(self._buffer) - hold]
         self._buffer = self._buffer[len(content):]
         if content:
