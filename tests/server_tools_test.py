@@ -52,6 +52,8 @@ class ToolCallServerTest(parameterized.TestCase):
     cls.server = ServerProcess(cls.tmp, pathlib.Path(cls.tmp) / "server.log",
                                f"--config.model.source={gguf_path}",
                                f"--config.server.model_name={MODEL}",
+                               "--config.defaults.speculative.strategy=native-mtp-n1",
+                               "--config.engine.prefill_buckets=(128,512)",
                                "--config.engine.slots=2", tiny=False)
     try:
       cls.url = cls.server.wait_ready()
