@@ -160,7 +160,8 @@ class Engine:
     self.engine_cfg = engine_cfg
     self.dtype = dtype
     self.trace_counts: dict[str, int] = {}
-    # The last prefill's or step's logprobs on the host (`step_logprobs`), with engine.logprobs.
+    # With engine.logprobs: the last prefill's or step's (chosen [B, R], top ids [B, R, n],
+    # top logprobs [B, R, n]) on the host, R the rows it committed at most (1 or 2).
     self.last_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     # The slot counts a step compiles for (`slots_for`): powers of two below `slots`, and it.
     self.slot_buckets = tuple(sorted({min(2 ** i, engine_cfg.slots)
@@ -225,7 +226,7 @@ class Engine:
     self._keep_logprobs(logprobs)
     return prefix
 
-  def _prefill_fn(self, leaves, tokens, length, keys, temperature, top_k, top_p) -> DecodeState:
+  def _prefill_fn(self, leaves, tokens, length, keys, temperature, top_k, top_p):
     model = self._model(leaves)
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
     kv = init_kv(self.cfg, self.cfg.n_layers, 1, self.engine_cfg.cache_len, self.dtype)
