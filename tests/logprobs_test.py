@@ -52,6 +52,18 @@ class LogprobsTest(parameterized.TestCase):
     np.testing.assert_allclose([e.logprob for e in on.logprobs],
                                [e.logprob for e in off.logprobs], atol=2e-5)
 
+  def test_a_pipeline_gives_the_single_device_logprobs(self):
+    """The last stage computes them and every process reads the same (one engine for both)."""
+    piped = mtpjax.load(str(embedded.DEMO_PACKAGE), stages=2)
+    kwargs = dict(max_new_tokens=12, seed=7, speculative="native-mtp-n1",
+                  adaptive_drafting=False, logprobs=True)
+    want, got = self.model.generate(self.prompt, **kwargs), piped.generate(self.prompt, **kwargs)
+    self.assertEqual(got.tokens, want.tokens)
+    np.testing.assert_allclose([e.logprob for e in got.logprobs],
+                               [e.logprob for e in want.logprobs], atol=2e-5)
+    np.testing.assert_allclose([[v for _, v in e.top] for e in got.logprobs],
+                               [[v for _, v in e.top] for e in want.logprobs], atol=2e-5)
+
   def test_without_logprobs_the_result_has_none(self):
     result = self.model.generate(self.prompt, max_new_tokens=4)
     self.assertIsNone(result.logprobs)
