@@ -23,13 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mtpjax import checkpoint, errors, loading, runtime_options, sharding, speculative
+from mtpjax import checkpoint, errors, loading, runtime_options, sharding, speculative, text
 from mtpjax.engine.contract import EngineConfig, pow2_bucket
 from mtpjax.engine.engine import Engine
 from mtpjax.engine.pipeline_hops import LocalHops
 from mtpjax.engine.plan import PipelinePlan, make_hops, pipeline_mesh, plan_pipeline, \
     selection_like
-from mtpjax.engine.sampling import SamplerParams
+from mtpjax.engine.sampling import MAX_TOP_LOGPROBS, SamplerParams
 from mtpjax.engine.scheduler import AdaptiveDrafting, Request, Result, SlotScheduler
 from mtpjax.engine.steps import fresh_forward
 from mtpjax.models import registry
@@ -96,6 +96,19 @@ class Model:
   @property
   def last(self) -> int:
     return len(self.stage_layouts(with_mtp=False)) - 1
+
+  @functools.cached_property
+  def tokenizer(self) -> text.Tokenizer:
+    """encode / decode / apply_chat_template, from the model's GGUF metadata."""
+    return text.Tokenizer.from_metadata(self.metadata, path=str(self.source.path))
+
+  def generate_text(self, prompt, **kwargs) -> text.TextResult:
+    """Text (or chat messages) in, text out; see `mtpjax.text.generate_text`."""
+    return text.generate_text(self, prompt, **kwargs)
+
+  def chat(self, messages, **kwargs) -> text.TextResult:
+    """The assistant's reply to chat messages; see `mtpjax.text.chat`."""
+    return text.chat(self, messages, **kwargs)
 
   # --- weights ------------------------------------------------------------------------------
 
@@ -225,9 +238,10 @@ class Model:
         source_path=str(self.source.path))
 
   def engine(self, *, native_mtp: bool, slots: int = 1, max_len: int = 512,
-             prefill_buckets: Sequence[int] | None = None, timing: bool = False) -> Engine:
+             prefill_buckets: Sequence[int] | None = None, timing: bool = False,
+             logprobs: int = 0) -> Engine:
     """A compiled engine, cached by its settings so repeated calls reuse the compiled steps."""
-    settings = dict(slots=slots, native_mtp=native_mtp, timing=timing)
+    settings = dict(slots=slots, native_mtp=native_mtp, timing=timing, logprobs=logprobs)
     engine_cfg = (EngineConfig(max_len=max_len, prefill_buckets=tuple(prefill_buckets),
                                **settings)
                   if prefill_buckets else
@@ -241,8 +255,10 @@ class Model:
   def generate(self, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids=(),
                speculative: str | None = None, timing: bool = False,
-               adaptive_drafting: bool = True) -> Result:
+               adaptive_drafting: bool = True, logprobs: bool = False) -> Result:
     """Decode one prompt; `Result.tokens` and `Result.stats` (MTP counters).
+
+    `logprobs`: `Result.logprobs` holds each token's logprob and top MAX_TOP_LOGPROBS.
 
     With `adaptive_drafting`, MTP pauses while its drafts keep being rejected (see
     `AdaptiveDrafting`); the tokens are the same either way.
@@ -251,10 +267,11 @@ class Model:
                   else self.resolve(speculative).native_mtp)
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     max_len = max(128, pow2_bucket(prompt.size + max_new_tokens + 1))
-    engine = self.engine(native_mtp=native_mtp, max_len=max_len, timing=timing)
+    engine = self.engine(native_mtp=native_mtp, max_len=max_len, timing=timing,
+                         logprobs=MAX_TOP_LOGPROBS if logprobs else 0)
     request = Request(prompt=prompt, max_new_tokens=int(max_new_tokens),
                       sampler=SamplerParams(temperature, top_k, top_p, seed),
-                      stop_ids=frozenset(int(t) for t in stop_ids))
+                      stop_ids=frozenset(int(t) for t in stop_ids), logprobs=logprobs)
     policy = AdaptiveDrafting() if adaptive_drafting else None
     return SlotScheduler(engine, adaptive=policy).run([request])[0]
 

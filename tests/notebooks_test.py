@@ -22,7 +22,8 @@ CELL_TIMEOUT_S = 300
 
 # notebook -> lines its outputs must contain (what the notebook shows the user).
 NOTEBOOKS = {
-    "quickstart": ("valid: True", "identical with MTP off: True", "has an MTP head: True"),
+    "quickstart": ("valid: True", "identical with MTP off: True", "has an MTP head: True",
+                   "text in, text out: ", "chat: "),
     "convert_and_serve": ("same tokens as the single-device model: True",
                           "serving at http://127.0.0.1:", "server stopped, exit status"),
 }

@@ -2,19 +2,35 @@
 
 It serves the trained demo package shipped in the repository, offline; a chat completion
 returns text and `/metrics` shows the native-MTP accept rate of the demo's real NextN head.
+Every README example that talks to that server (curl and Python) runs here verbatim, with only
+the port replaced by the free one the server picked.
 """
 
+import contextlib
+import io
 import pathlib
+import re
+import subprocess
 import tempfile
 
 import httpx
+import numpy as np
 import openai
 from absl.testing import absltest
 
+import mtpjax
 from mtpjax import embedded
-from server_test import ServerProcess, metric
+from server_test import REPO, ServerProcess, metric, package_tokenizer
 
 DEMO_MODEL = "mtpjax-glm-demo"
+README_URL = "http://127.0.0.1:8000"
+SERVE_COMMAND = "python -m mtpjax.serve --config=configs/glm.py"
+
+
+def readme_examples(readme: str) -> list[tuple[str, str]]:
+  """(language, code) of every README block that talks to the served model at :8000."""
+  blocks = re.findall(r"```(bash|python)\n(.*?)```", readme, flags=re.S)
+  return [(lang, code) for lang, code in blocks if README_URL in code]
 
 
 class DemoServerTest(absltest.TestCase):
@@ -50,6 +66,54 @@ class DemoServerTest(absltest.TestCase):
     text = httpx.get(self.url + "/metrics", timeout=30).text
     self.assertGreater(metric(text, "mtpjax_native_mtp_accepted"), 0)
     self.assertGreater(metric(text, "mtpjax_native_mtp_accept_rate"), 0.3)
+
+  def test_logprobs_with_mtp_on_equal_the_model_with_mtp_off(self):
+    """The server drafts (MTP on); the reference decodes in this process with MTP off."""
+    tokenizer, template = package_tokenizer(embedded.DEMO_PACKAGE)
+    messages = [{"role": "user", "content": "def parse_args(argv):"}]
+    prompt = tokenizer.encode(template.render(messages, add_generation_prompt=True))
+    model = mtpjax.load(str(embedded.DEMO_PACKAGE))
+    reference = model.generate(prompt, max_new_tokens=16, stop_ids=tokenizer.stop_ids,
+                               speculative="disabled", logprobs=True).logprobs
+    expected = np.array([e.logprob for e in reference])
+    reply = self.client.chat.completions.create(model=DEMO_MODEL, max_tokens=16,
+                                                messages=messages, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    np.testing.assert_allclose([c.logprob for c in content], expected, atol=1e-4)
+    self.assertEqual([c.bytes for c in content],
+                     [list(tokenizer.token_bytes(e.token)) for e in reference])
+    for item, entry in zip(content, reference):
+      self.assertEqual([t.bytes for t in item.top_logprobs],
+                       [list(tokenizer.token_bytes(t)) for t, _ in entry.top[:3]])
+    streamed = [c.logprob for chunk in self.client.chat.completions.create(
+        model=DEMO_MODEL, max_tokens=16, messages=messages, logprobs=True, stream=True)
+                for choice in chunk.choices if choice.logprobs for c in choice.logprobs.content]
+    np.testing.assert_allclose(streamed, expected, atol=1e-4)
+    completion = self.client.completions.create(model=DEMO_MODEL, max_tokens=16, logprobs=2,
+                                                prompt=prompt)
+    legacy = completion.choices[0].logprobs
+    np.testing.assert_allclose(legacy.token_logprobs, expected, atol=1e-4)
+    self.assertEqual(len(legacy.top_logprobs[0]), 2)
+    self.assertEqual("".join(legacy.tokens), completion.choices[0].text)
+
+  def test_readme_examples_run_verbatim_against_the_readme_serve_command(self):
+    readme = (REPO / "README.md").read_text()
+    examples = readme_examples(readme)
+    self.assertIn(SERVE_COMMAND, readme[:readme.index(examples[0][1])])
+    self.assertEqual(sorted({lang for lang, _ in examples}), ["bash", "python"])
+    for lang, code in examples:
+      code = code.replace(README_URL, self.url)
+      with self.subTest(lang=lang, code=code[:60]):
+        if lang == "bash":
+          run = subprocess.run(["bash", "-ec", code.replace("curl ", "curl -sS --fail-with-body ")],
+                               capture_output=True, text=True, timeout=300)
+          self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+          self.assertIn("data: [DONE]", run.stdout)
+        else:
+          out = io.StringIO()
+          with contextlib.redirect_stdout(out):
+            exec(compile(code, "README.md", "exec"), {})
+          self.assertTrue(out.getvalue().strip())
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ def _without(body, key):
   return {k: v for k, v in body.items() if k != key}
 
 
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
 # (name, path, body (bytes are sent raw), status, param, code); max_len is 128 here.
 _BAD_REQUESTS = (
     ("invalid_json", _COMPLETIONS, b'{"model": "mtpjax-tiny", "prompt": ', 400, None,
@@ -89,7 +91,32 @@ _BAD_REQUESTS = (
     ("empty_stop_string", _CHAT, _chat(stop=[""]), 400, "stop", None),
     ("batch_of_prompts", _COMPLETIONS, _completion(prompt=["a", "b"]), 400, "prompt",
      "unsupported_value"),
-    ("logprobs", _COMPLETIONS, _completion(logprobs=3), 400, "logprobs", "unsupported_value"),
+    ("logprobs_above_20", _COMPLETIONS, _completion(logprobs=21), 400, "logprobs",
+     "invalid_value"),
+    ("top_logprobs_above_20", _CHAT, _chat(logprobs=True, top_logprobs=21), 400,
+     "top_logprobs", "invalid_value"),
+    ("top_logprobs_without_logprobs", _CHAT, _chat(top_logprobs=2), 400, "top_logprobs", None),
+    ("tools_the_template_does_not_render", _CHAT, _chat(tools=[_TOOL]), 400, "tools",
+     "unsupported_value"),
+    ("tool_choice_without_tools", _CHAT, _chat(tool_choice="required"), 400, "tool_choice",
+     None),
+    ("tool_choice_not_offered", _CHAT, _chat(tools=[_TOOL], tool_choice={
+        "type": "function", "function": {"name": "other"}}), 400, "tool_choice", None),
+    ("tool_without_function", _CHAT, _chat(tools=[{"type": "function"}]), 400,
+     "tools.0.function", "missing_field"),
+    ("parallel_tool_calls_false", _CHAT, _chat(parallel_tool_calls=False), 400,
+     "parallel_tool_calls", "unsupported_value"),
+    ("tool_call_arguments_not_json", _CHAT, _chat(messages=[
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+            "name": "f", "arguments": "not json"}}]}]), 400, "messages", "invalid_value"),
+    ("unknown_field", _CHAT, _chat(repetition_penalty=1.1), 400, "repetition_penalty",
+     "unsupported_field"),
+    ("unknown_field_completions", _COMPLETIONS, _completion(min_p=0.1), 400, "min_p",
+     "unsupported_field"),
+    ("unknown_message_field", _CHAT, _chat(messages=[{"role": "user", "content": "x",
+                                                      "audio": {}}]), 400,
+     "messages.0.audio", "unsupported_field"),
     ("presence_penalty", _CHAT, _chat(presence_penalty=0.5), 400, "presence_penalty",
      "unsupported_value"),
     ("stream_options_without_stream", _CHAT, _chat(stream_options={"include_usage": True}),

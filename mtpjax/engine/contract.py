@@ -51,6 +51,7 @@ class EngineConfig:
   prefill_buckets: tuple[int, ...] = DEFAULT_PREFILL_BUCKETS[:6]
   native_mtp: bool = False
   timing: bool = False                     # sync after verify and draft to time them
+  logprobs: int = 0                        # top logprobs per committed token (0: none computed)
 
   @classmethod
   def with_default_buckets(cls, *, max_len: int, **kwargs) -> "EngineConfig":
@@ -103,8 +104,10 @@ class DecodeEngine(Protocol):
   """What runs requests over a fixed set of slots.
 
   A prefix (`prefill`) is inserted into a slot of the state; `step` advances every active slot
-  and returns ResultTokens [slots, 4] (TOKEN_A, TOKEN_B, COUNT, ACCEPTED) and timings; `free`
-  releases a finished slot. With native MTP, `drafting` [slots] says which slots use their
+  and returns ResultTokens [slots, 4] (TOKEN_A, TOKEN_B, COUNT, ACCEPTED) and a dict of
+  timings (us) and, with `engine_cfg.logprobs`, "logprobs": (chosen [slots, R], top ids and top
+  logprobs [slots, R, n]) of the rows a step can commit (R = 2 verifying, else 1); a prefix
+  carries its first token's as `logprobs`. `free` releases a finished slot. With native MTP, `drafting` [slots] says which slots use their
   draft, and `catch_up` brings paused slots' MTP caches up to date.
   """
   engine_cfg: EngineConfig

@@ -158,7 +158,7 @@ class Engine:
     tokens, length = self.engine_cfg.padded_prompt(prompt)
     extra = (tokens, np.int32(length), sampler_arrays(sampler.validate()))
     kv = [None] * len(self.layouts)
-    x, head, t = tokens, None, tokens.shape[1]
+    x, head, logprobs, t = tokens, None, None, tokens.shape[1]
     for s in range(len(self.layouts)):
       if s > 0:
         x = self.hops.move(x, s - 1, s,
@@ -167,12 +167,14 @@ class Engine:
         continue
       out, kv[s] = self._prefill[s](self._leaves[s], x, extra if s == self.last else None)
       if s == self.last:
-        head = out
+        head, logprobs = out
       else:
         x = out
     current = self.hops.share(None if head is None else head.slots.current, self.last,
                               like=_ints(1))
-    return Prefix(kv=kv, head=head, current=current)
+    return Prefix(kv=kv, head=head, current=current,
+                  logprobs=self._shared_logprobs([logprobs] if head is not None else [],
+                                                 [(0, 1)], 1))
 
   def insert(self, prefix: Prefix, state: EngineState, slot: int) -> EngineState:
     g = next(i for i, (lo, hi) in enumerate(self.bounds) if lo <= slot < hi)
@@ -226,16 +228,17 @@ class Engine:
     x, kv, selection = stage_forward(model, inp, positions, kv)
     if not layout.output:
       return (x, positions, selection if self._hands_selection(s) else None), kv
+    top_n = self.engine_cfg.logprobs
     if kind == "verify":
-      return steps.verify_tokens(model, part, x), kv
+      return steps.verify_tokens(model, part, x, top_n), kv
     if kind == "verify_draft":
-      part, result = steps.draft_commit(model, part, steps.verify_tokens(model, part, x),
-                                        active, drafting)
+      verified, logprobs = steps.verify_tokens(model, part, x, top_n)
+      part, result = steps.draft_commit(model, part, verified, active, drafting)
     elif kind == "plain":
-      part, result = steps.plain_commit(model, part, x, active)
+      part, result, logprobs = steps.plain_commit(model, part, x, active, top_n)
     else:
-      part, result = steps.decode_commit(model, part, x, active)
-    return (head.merge(part), result), kv
+      part, result, logprobs = steps.decode_commit(model, part, x, active, top_n)
+    return (head.merge(part), result, logprobs), kv
 
   def _draft_fn(self, leaves, head: HeadState, verified, active, drafting):
     part, result = steps.draft_commit(self._model(self.last, leaves), head.first(active.shape[0]),
@@ -264,7 +267,8 @@ class Engine:
 
   def step(self, state: EngineState, active: np.ndarray, drafting: np.ndarray | None = None
            ) -> tuple[EngineState, np.ndarray, dict]:
-    """One step for every group; returns the state, ResultTokens [slots, 4] and timings (us).
+    """One step for every group: the state, ResultTokens [slots, 4] and an info dict (timings
+    in us, and logprobs; see `DecodeEngine`).
 
     With native MTP, `drafting` [B] says which slots use their draft this step (None: all).
     A slot that does not draft only commits the target's token, so its output is unchanged;
@@ -282,8 +286,8 @@ class Engine:
     if kind == "verify_draft":
       state = self.catch_up(state, active)
     tokens = 2 if kind == "verify_draft" else 1
-    timings: dict[str, int] = {}
-    results = []
+    info: dict = {}
+    results, logprobs = [], []
     for (lo, hi), group in zip(self.bounds, state.groups):
       live = active[lo:hi]
       k = self.slots_for(live)
@@ -304,25 +308,44 @@ class Engine:
           out, group.kv[s] = self._steps[kind][s](self._leaves[s], out, group.kv[s], None, act,
                                                   None)
         elif kind == "verify_draft" and self.engine_cfg.timing:
-          group.head, result = self._timed_last_stage(group, out, act, draft_mask, timings)
+          group.head, result, rows = self._timed_last_stage(group, out, act, draft_mask, info)
           results.append(result)
+          logprobs.append(rows)
         else:
-          (group.head, result), group.kv[s] = self._steps[kind][s](
+          (group.head, result, rows), group.kv[s] = self._steps[kind][s](
               self._leaves[s], out, group.kv[s], group.head, act, draft_mask)
           results.append(result)
+          logprobs.append(rows)
     if kind == "plain":
       state.mtp_lag = [lag + active[lo:hi] for lag, (lo, hi) in zip(state.mtp_lag, self.bounds)]
     shared = [self.hops.share(_padded(results[i], hi - lo) if results else None, self.last,
                               like=_ints(hi - lo, 4))
               for i, (lo, hi) in enumerate(self.bounds)]
-    return state, np.concatenate([np.asarray(r) for r in shared]), timings
+    if self.engine_cfg.logprobs:
+      info["logprobs"] = self._shared_logprobs(logprobs, self.bounds, tokens)
+    return state, np.concatenate([np.asarray(r) for r in shared]), info
+
+  def _shared_logprobs(self, per_group: list, bounds, rows: int):
+    """Each group's committed-row logprobs, padded to its slots, joined and readable on every
+    process: (chosen [B, R], top ids [B, R, n], top logprobs [B, R, n]); None without them."""
+    if not self.engine_cfg.logprobs:
+      return None
+    n = self.engine_cfg.logprobs
+    joined = []
+    for i, (lo, hi) in enumerate(bounds):
+      b = hi - lo
+      like = (jax.ShapeDtypeStruct((b, rows), jnp.float32), _ints(b, rows, n),
+              jax.ShapeDtypeStruct((b, rows, n), jnp.float32))
+      mine = (tuple(_padded(np.asarray(a), b) for a in per_group[i]) if per_group else None)
+      joined.append(self.hops.share(mine, self.last, like=like))
+    return tuple(np.concatenate([np.asarray(g[j]) for g in joined]) for j in range(3))
 
   def _timed_last_stage(self, group: Group, inp, active, drafting, timings: dict):
     """The last stage of a drafting step as two synced jits: verify, then draft and commit."""
     leaves = self._leaves[self.last]
     start = time.perf_counter()
-    verified, group.kv[self.last] = self._verify(leaves, inp, group.kv[self.last], group.head,
-                                                 active, drafting)
+    (verified, logprobs), group.kv[self.last] = self._verify(
+        leaves, inp, group.kv[self.last], group.head, active, drafting)
     jax.block_until_ready(verified)
     mid = time.perf_counter()
     head, result = self._draft(leaves, group.head, verified, active, drafting)
@@ -331,14 +354,14 @@ class Engine:
     for name, seconds in (("verification_compute_us", mid - start),
                           ("proposal_compute_us", end - mid)):
       timings[name] = timings.get(name, 0) + int(seconds * 1e6)
-    return head, result
+    return head, result, logprobs
 
 
 def _padded(result, slots: int) -> np.ndarray:
-  """ResultTokens [slots, 4] from a step over a group's first k slots (zeros past them)."""
+  """A step's per-slot output over a group's first k slots, as [slots, ...] (zeros past them)."""
   result = np.asarray(result)
   if result.shape[0] == slots:
     return result
-  full = np.zeros((slots, result.shape[1]), result.dtype)
+  full = np.zeros((slots,) + result.shape[1:], result.dtype)
   full[:result.shape[0]] = result
   return full

@@ -19,6 +19,8 @@ from mtpjax import errors
 
 # top_k lives in an int32 array inside the compiled step.
 MAX_TOP_K = 2**31 - 1
+# The most alternatives per token an engine computes (OpenAI's limit for top_logprobs).
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,3 +95,17 @@ def sample(logits: jax.Array, keys: jax.Array, positions: jax.Array, temperature
   sampled = lambda: jax.vmap(one)(logits, keys, positions, temperature, top_k, top_p)
   greedy = lambda: greedy_tokens(logits)
   return jax.lax.cond(jnp.any(temperature > 0), sampled, greedy)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(logprob of each token, top-n ids, top-n logprobs) for logits [..., V], tokens [...].
+
+  The raw model distribution, log_softmax(logits) in float32, whatever the request's
+  temperature, top-k or top-p (what OpenAI and vLLM report by default): a committed position's
+  logits are the target's own with MTP on or off, so its logprobs are too.
+  """
+  logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  chosen = jnp.take_along_axis(logprobs, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  top_lp, top_ids = jax.lax.top_k(logprobs, top_n)
+  return chosen, top_ids.astype(jnp.int32), top_lp

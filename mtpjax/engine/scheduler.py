@@ -24,6 +24,15 @@ from mtpjax.engine.sampling import SamplerParams
 from mtpjax.telemetry import MtpStats
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+  """One committed token's log-probability under the target's raw distribution, and the
+  engine's top-n alternatives (`EngineConfig.logprobs`), most likely first."""
+  token: int
+  logprob: float
+  top: tuple[tuple[int, float], ...]
+
+
 @dataclasses.dataclass
 class Request:
   prompt: np.ndarray
@@ -32,6 +41,9 @@ class Request:
   stop_ids: frozenset[int] = frozenset()
   on_tokens: Callable[[list[int]], None] | None = None   # called with each batch of new tokens
   cancelled: Callable[[], bool] | None = None            # polled every step (client gone)
+  logprobs: bool = False                                 # needs an engine with logprobs > 0
+  # With `logprobs`: called with each batch's TokenLogprobs just before `on_tokens`.
+  on_logprobs: Callable[[list[TokenLogprob]], None] | None = None
 
 
 class RequestFailed(Exception):
@@ -52,6 +64,7 @@ class Result:
   prompt_tokens: int
   time_to_first_token_s: float
   total_time_s: float
+  logprobs: list[TokenLogprob] | None = None      # one per token, when the request asked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +174,7 @@ class _Live:
   done: Callable[[Result], None]
   started: float
   tokens: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
   counts: dict = dataclasses.field(default_factory=lambda: collections.Counter())
   first_token_s: float = 0.0
   recent: collections.deque = dataclasses.field(default_factory=collections.deque)
@@ -170,6 +184,17 @@ class _Live:
   @property
   def drafting(self) -> bool:
     return self.paused_steps == 0
+
+
+def _token_logprobs(request: Request, rows, slot: int,
+                    tokens: list[int]) -> list[TokenLogprob] | None:
+  """A slot's committed `tokens` (one per row) with the logprobs a prefill or step returned
+  (`DecodeEngine`); None when the request asked for none."""
+  if not request.logprobs:
+    return None
+  chosen, top_ids, top_lps = (a[slot].tolist() for a in rows)
+  return [TokenLogprob(token, chosen[r], tuple(zip(top_ids[r], top_lps[r])))
+          for r, token in enumerate(tokens)]
 
 
 class SlotScheduler:
@@ -197,6 +222,9 @@ class SlotScheduler:
     if request.max_new_tokens < 1:
       raise errors.MtpjaxError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}",
                                field="max_new_tokens", remedy="ask for at least one token")
+    if request.logprobs and not self.engine.engine_cfg.logprobs:
+      raise errors.MtpjaxError("this engine computes no logprobs", field="engine.logprobs",
+                               remedy="build the engine with logprobs > 0")
     self.waiting.append((request, done))
 
   @property
@@ -220,15 +248,18 @@ class SlotScheduler:
       first = int(np.asarray(prefix.current)[0])
       live.first_token_s = time.perf_counter() - started
       self.slots[index] = live
-      self._emit(index, [first])
+      self._emit(index, [first], _token_logprobs(request, prefix.logprobs, 0, [first]))
 
-  def _emit(self, index: int, tokens: list[int]) -> None:
+  def _emit(self, index: int, tokens: list[int],
+            logprobs: list[TokenLogprob] | None = None) -> None:
     """Append tokens, stopping at a stop id, the token budget or the context length."""
     live = self.slots[index]
     request = live.request
     out = []
     reason = None
     for token in tokens:
+      if logprobs is not None:
+        live.logprobs.append(logprobs[len(out)])
       out.append(token)
       live.tokens.append(token)
       if token in request.stop_ids:
@@ -240,6 +271,8 @@ class SlotScheduler:
       if len(request.prompt) + len(live.tokens) >= self.engine.engine_cfg.max_len:
         reason = "length"
         break
+    if out and logprobs is not None and request.on_logprobs is not None:
+      request.on_logprobs(live.logprobs[-len(out):])
     if out and request.on_tokens is not None:
       request.on_tokens(out)
     if reason is None and request.cancelled is not None and request.cancelled():
@@ -262,7 +295,8 @@ class SlotScheduler:
     live.done(Result(tokens=live.tokens, finish_reason=reason, stats=stats,
                      prompt_tokens=len(live.request.prompt),
                      time_to_first_token_s=live.first_token_s,
-                     total_time_s=time.perf_counter() - live.started))
+                     total_time_s=time.perf_counter() - live.started,
+                     logprobs=live.logprobs if live.request.logprobs else None))
 
   def step(self) -> None:
     """Admit waiting requests, then advance every live slot by one engine step."""
@@ -278,10 +312,10 @@ class SlotScheduler:
     drafted = self.native_mtp and any(s is not None and self._drafts(s) for s in self.slots)
     started = time.perf_counter()
     if self.native_mtp:
-      self.state, result, timing = self.engine.step(
+      self.state, result, info = self.engine.step(
           self.state, active, active if drafted else np.zeros_like(active))
     else:
-      self.state, result, timing = self.engine.step(self.state, active)
+      self.state, result, info = self.engine.step(self.state, active)
     for index, (live, row) in enumerate(zip(self.slots, result.tolist())):
       if live is None:
         continue
@@ -290,8 +324,10 @@ class SlotScheduler:
       c["target_passes"] += 1
       c["committed_tokens"] += count
       if self.native_mtp:
-        self._account_draft(live, drafted, bool(row[ACCEPTED]), timing)
-      self._emit(index, [row[TOKEN_A], row[TOKEN_B]] if count == 2 else [row[TOKEN_A]])
+        self._account_draft(live, drafted, bool(row[ACCEPTED]), info)
+      tokens = [row[TOKEN_A], row[TOKEN_B]] if count == 2 else [row[TOKEN_A]]
+      self._emit(index, tokens, _token_logprobs(live.request, info.get("logprobs"), index,
+                                                tokens))
     if self.native_mtp:   # the step's wall time, with the host's per-step work
       self.cost.observe_step(drafted, time.perf_counter() - started,
                              caught_up_rows=self._plain_steps if drafted else 0)
@@ -321,14 +357,13 @@ class SlotScheduler:
     else:
       self.batch_paused_steps, self._backoff = policy.pause(self._backoff)
 
-  def _account_draft(self, live: _Live, verified: bool, accepted: bool, timing: dict) -> None:
+  def _account_draft(self, live: _Live, verified: bool, accepted: bool, info: dict) -> None:
     """Count a verified draft and apply the adaptive policy to the slot. A paused slot's
     pause counts down every step; drafts it verified meanwhile count in the statistics but
     not towards its own accept-rate window."""
     c = live.counts
-    if timing:
-      c["proposal_us"] += timing["proposal_compute_us"]
-      c["verification_us"] += timing["verification_compute_us"]
+    c["proposal_us"] += info.get("proposal_compute_us", 0)
+    c["verification_us"] += info.get("verification_compute_us", 0)
     paused = not live.drafting
     if paused:
       live.paused_steps -= 1

@@ -105,3 +105,4 @@ class Prefix:
   kv: list
   head: HeadState | None
   current: np.ndarray
+  logprobs: tuple | None = None      # the first token's, as a step's (engine_cfg.logprobs)

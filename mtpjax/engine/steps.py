@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtpjax.engine.contract import EngineConfig
-from mtpjax.engine.sampling import greedy_tokens, sample
+from mtpjax.engine.sampling import greedy_tokens, sample, token_logprobs
 from mtpjax.engine.state import CATCH_UP_ROWS, HeadState, Slots
 from mtpjax.models import registry
 from mtpjax.models.config import ModelConfig
@@ -67,16 +67,24 @@ def fresh_forward(model: CausalLM, inp, cache_len: int) -> tuple[jax.Array, list
   return stage_forward(model, inp, positions, kv)
 
 
+def committed_logprobs(logits, tokens, top_n: int):
+  """`token_logprobs` of committed rows (logits [B, R, V], tokens [B, R]); None when the
+  engine computes none (`EngineConfig.logprobs` 0)."""
+  return token_logprobs(logits, tokens, top_n) if top_n else None
+
+
 def prefill_commit(model: CausalLM, engine_cfg: EngineConfig, tokens, hidden, length,
-                   sampler: tuple) -> HeadState:
+                   sampler: tuple) -> tuple[HeadState, tuple | None]:
   """Sample the first token from the prompt's last hidden and, with MTP, draft the next one.
 
   `hidden` [1, bucket, D] is the post-norm trunk output of the prompt `tokens` [1, bucket].
+  Returns the head state and the first token's logprobs (`committed_logprobs`).
   """
   keys, temperature, top_k, top_p = sampler
   positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
   last = jax.lax.dynamic_index_in_dim(hidden, length - 1, axis=1, keepdims=False)  # [1, D]
-  first = sample(model.lm_logits(last), keys, length[None], temperature, top_k, top_p)
+  logits = model.lm_logits(last)
+  first = sample(logits, keys, length[None], temperature, top_k, top_p)
   head = empty_head(model.cfg, engine_cfg, 1, model.dtype, jnp.zeros)
   draft = jnp.zeros((1,), jnp.int32)
   if engine_cfg.native_mtp:
@@ -87,25 +95,29 @@ def prefill_commit(model: CausalLM, engine_cfg: EngineConfig, tokens, hidden, le
     head = head.replace(mtp_kv=mtp_kv)
   return head.replace(slots=Slots(
       pos=length[None], current=first, draft=draft, h_prev=last, keys=keys,
-      temperature=temperature, top_k=top_k, top_p=top_p, mtp_lag=jnp.zeros((1,), jnp.int32)))
+      temperature=temperature, top_k=top_k, top_p=top_p, mtp_lag=jnp.zeros((1,), jnp.int32))
+  ), committed_logprobs(logits[:, None], first[:, None], engine_cfg.logprobs)
 
 
-def decode_commit(model: CausalLM, head: HeadState, hidden, active
-                  ) -> tuple[HeadState, jax.Array]:
-  """Plain decoding: sample one token per slot from `hidden` [B, 1, D] and commit it."""
+def decode_commit(model: CausalLM, head: HeadState, hidden, active, top_n: int = 0
+                  ) -> tuple[HeadState, jax.Array, tuple | None]:
+  """Plain decoding: sample one token per slot from `hidden` [B, 1, D] and commit it; with
+  `top_n`, also the committed row's logprobs."""
   s = head.slots
-  token = sample(model.lm_logits(hidden[:, 0]), s.keys, s.pos + 1, s.temperature, s.top_k,
-                 s.top_p)
+  logits = model.lm_logits(hidden[:, 0])
+  token = sample(logits, s.keys, s.pos + 1, s.temperature, s.top_k, s.top_p)
   zeros = jnp.zeros_like(token)
   result = jnp.stack([token, zeros, jnp.ones_like(token), zeros], axis=1)
   slots = s.replace(pos=jnp.where(active, s.pos + 1, s.pos),
                     current=jnp.where(active, token, s.current), h_prev=hidden[:, 0])
-  return head.replace(slots=slots), result
+  return (head.replace(slots=slots), result,
+          committed_logprobs(logits[:, None], token[:, None], top_n))
 
 
-def verify_tokens(model: CausalLM, head: HeadState, hidden
-                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Sample the target's tokens at both verify positions; (token_a, token_b, hidden)."""
+def verify_tokens(model: CausalLM, head: HeadState, hidden, top_n: int = 0
+                  ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], tuple | None]:
+  """Sample the target's tokens at both verify positions: ((token_a, token_b, hidden), and
+  with `top_n` both rows' logprobs)."""
   s = head.slots
   logits = model.lm_logits(hidden)                                       # [B, 2, V]
   batch, rows, vocab = logits.shape
@@ -116,7 +128,7 @@ def verify_tokens(model: CausalLM, head: HeadState, hidden
   tokens = sample(logits.reshape(batch * rows, vocab), per_row(s.keys), positions.reshape(-1),
                   per_row(s.temperature), per_row(s.top_k), per_row(s.top_p)
                   ).reshape(batch, rows)
-  return tokens[:, 0], tokens[:, 1], hidden
+  return (tokens[:, 0], tokens[:, 1], hidden), committed_logprobs(logits, tokens, top_n)
 
 
 def draft_commit(model: CausalLM, head: HeadState, verified, active, drafting
@@ -146,8 +158,8 @@ def draft_commit(model: CausalLM, head: HeadState, verified, active, drafting
   return head.replace(mtp_kv=mtp_kv, slots=slots), result
 
 
-def plain_commit(model: CausalLM, head: HeadState, hidden, active
-                 ) -> tuple[HeadState, jax.Array]:
+def plain_commit(model: CausalLM, head: HeadState, hidden, active, top_n: int = 0
+                 ) -> tuple[HeadState, jax.Array, tuple | None]:
   """Commit one sampled token per slot without the MTP block: the new row's MTP inputs
   (token, h_pos) go to the history and the slot's MTP KV falls one more row behind.
   The draft is left as it was (a stale draft is only ever rejected).
@@ -155,13 +167,13 @@ def plain_commit(model: CausalLM, head: HeadState, hidden, active
   Only these steps write the history: the rows a catch-up reads are exactly the rows committed
   by plain steps since the slot was last caught up.
   """
-  committed, result = decode_commit(model, head, hidden, active)
+  committed, result, logprobs = decode_commit(model, head, hidden, active, top_n)
   s = committed.slots
   start = head.slots.pos + 1
   return committed.replace(
       history_tokens=write_rows(head.history_tokens, s.current[:, None], start),
       history_hidden=write_rows(head.history_hidden, hidden, start),
-      slots=s.replace(mtp_lag=jnp.where(active, s.mtp_lag + 1, s.mtp_lag))), result
+      slots=s.replace(mtp_lag=jnp.where(active, s.mtp_lag + 1, s.mtp_lag))), result, logprobs
 
 
 def catch_up_passes(lag: np.ndarray, live: np.ndarray) -> tuple[int, np.ndarray]:

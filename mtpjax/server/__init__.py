@@ -18,6 +18,7 @@ from absl import logging
 import mtpjax
 from mtpjax import distributed, embedded, errors, speculative
 from mtpjax.engine.contract import warm_up
+from mtpjax.engine.sampling import MAX_TOP_LOGPROBS
 from mtpjax.engine.scheduler import AdaptiveDrafting, SlotScheduler
 from mtpjax.gguf.tokenizer import ChatTemplate, GgufTokenizer
 from mtpjax.server.admission import Admission
@@ -68,6 +69,10 @@ def build_service(config) -> Service:
   limits = ServerLimits.from_config(config.server)
   engine_cfg = config.engine
   max_prompt = _max_prompt_tokens(engine_cfg.max_len, tuple(engine_cfg.prefill_buckets))
+  if not 0 <= engine_cfg.logprobs <= MAX_TOP_LOGPROBS:
+    raise errors.MtpjaxError(f"engine.logprobs = {engine_cfg.logprobs} is out of range",
+                             field="engine.logprobs",
+                             remedy=f"choose 0 (no logprobs) to {MAX_TOP_LOGPROBS}")
   source = embedded.resolve_source(config)
   started = time.perf_counter()
   model = mtpjax.load(source, dtype=config.model.dtype, config=config)
@@ -78,7 +83,7 @@ def build_service(config) -> Service:
   settings = model.generation_settings
   engine = model.engine(native_mtp=settings.native_mtp, slots=settings.slots,
                         max_len=settings.max_len, prefill_buckets=settings.prefill_buckets,
-                        timing=settings.timing)
+                        timing=settings.timing, logprobs=int(engine_cfg.logprobs))
   tokenizer = GgufTokenizer.from_metadata(model.metadata, path=source)
   chat_template = BudgetedChatTemplate(
       ChatTemplate.from_metadata(model.metadata, path=source),
@@ -100,6 +105,7 @@ def build_service(config) -> Service:
   return Service(model_name=model_name, settings=settings, resolution=resolution,
                  tokenizer=tokenizer, chat_template=chat_template, worker=worker,
                  metrics=metrics, defaults=defaults, max_prompt_tokens=max_prompt,
+                 top_logprobs=engine.engine_cfg.logprobs,
                  seeds=random.Random(config.engine.seed), limits=limits,
                  admission=Admission(settings.slots, limits),
                  prompts=PromptBuilder(tokenizer, chat_template))

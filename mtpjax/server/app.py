@@ -28,17 +28,18 @@ from mtpjax.engine.scheduler import Request
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.gguf.tokenizer import ChatTemplate, GgufTokenizer
 from mtpjax.runtime_options import GenerationSettings
-from mtpjax.server import schemas
+from mtpjax.server import logprobs as logprob_format
+from mtpjax.server import reasoning, schemas, tool_calls
 from mtpjax.server.admission import Admission, Ticket
+from mtpjax.server.chat_output import ChatOutput, forced_call_prefix, whole_message
 from mtpjax.server.guards import RequestGuards
 from mtpjax.server.limits import ServerLimits
 from mtpjax.server.metrics import CONTENT_TYPE, ServerMetrics
 from mtpjax.server.prompts import PromptBuilder
 from mtpjax.server.schemas import ApiError
 from mtpjax.server.template_budget import TemplateBudgetExceeded
-from mtpjax.server.worker import EngineFailure, EngineWorker, Finished, Generation
+from mtpjax.server.worker import EngineFailure, EngineWorker, Finished, Generation, LogprobBatch
 from mtpjax.speculative import SpeculativeResolution
-
 
 @dataclasses.dataclass(frozen=True)
 class SamplingDefaults:
@@ -61,6 +62,7 @@ class Service:
   metrics: ServerMetrics
   defaults: SamplingDefaults
   max_prompt_tokens: int
+  top_logprobs: int               # alternatives per token the engine computes (0: no logprobs)
   seeds: random.Random            # seeds for requests that do not give one (config.engine.seed)
   limits: ServerLimits
   admission: Admission
@@ -90,6 +92,8 @@ class _Job:
   request: Request
   stop_strings: tuple[str, ...]
   include_usage: bool
+  top_logprobs: int | None        # None: the request asked for no logprobs
+  output: ChatOutput | None = None      # chat: parses reasoning and tool calls
 
 
 class _TextAssembler:
@@ -97,7 +101,10 @@ class _TextAssembler:
 
   def __init__(self, tokenizer: GgufTokenizer, stop_ids: frozenset[int],
                stop_strings: tuple[str, ...]):
-    self._detok = tokenizer.stream_decoder(skip_special=True)
+    self._detok = tokenizer.stream_decoder()
+    # Control tokens do not show, except the tags of thinking and tool calls (special tokens
+    # in GLM vocabularies) that the chat parsers read.
+    self._hidden = tokenizer.control_ids - _tag_ids(tokenizer)
     self._stop_ids = stop_ids
     self._stops = stop_strings
     self._longest = max((len(s) for s in stop_strings), default=0)
@@ -105,20 +112,30 @@ class _TextAssembler:
     self.sent = 0
     self.tokens = 0
     self.hit_stop_string = False
+    self.logprobs: list = []      # TokenLogprobs of the counted tokens
+    self._logprobs_sent = 0
 
-  def feed(self, tokens: list[int]) -> str:
-    for token in tokens:
+  def feed(self, tokens: list[int], logprobs: list | None = None) -> str:
+    for i, token in enumerate(tokens):
       if self.hit_stop_string:
         break
       self.tokens += 1
-      if token not in self._stop_ids:      # a stop id ends the text without showing itself
-        self._append(self._detok.push(token))
+      if logprobs is not None:
+        self.logprobs.append(logprobs[i])
+      if token not in self._stop_ids and token not in self._hidden:   # a stop id ends the
+        self._append(self._detok.push(token))                         # text, unshown
     return self._release(final=False)
 
   def finish(self) -> str:
     if not self.hit_stop_string:
       self._append(self._detok.flush())
     return self._release(final=True)
+
+  def new_logprobs(self) -> list:
+    """The TokenLogprobs fed since the last call (streamed with the next chunk)."""
+    entries = self.logprobs[self._logprobs_sent:]
+    self._logprobs_sent = len(self.logprobs)
+    return entries
 
   def _append(self, piece: str) -> None:
     if not piece:
@@ -145,6 +162,11 @@ class _TextAssembler:
     delta = self.text[self.sent:end]
     self.sent = max(self.sent, end)
     return delta
+
+
+def _tag_ids(tokenizer: GgufTokenizer) -> frozenset[int]:
+  tags = (reasoning.OPEN, reasoning.CLOSE) + tool_calls.TAGS
+  return frozenset(i for i in map(tokenizer.token_to_id, tags) if i is not None)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -217,7 +239,13 @@ class _Routes:
     request = Request(prompt=np.asarray(prompt_ids, np.int32), max_new_tokens=budget,
                       sampler=sampler, stop_ids=stop_ids | frozenset(extra_ids))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return _Job(request, body.stop_strings(), include_usage)
+    top_logprobs = body.top_logprobs_wanted()
+    if top_logprobs is not None:
+      if not s.top_logprobs:
+        raise schemas.unsupported("logprobs", "this server computes no logprobs "
+                                  "(engine.logprobs = 0); leave logprobs unset")
+      request = dataclasses.replace(request, logprobs=True)
+    return _Job(request, body.stop_strings(), include_usage, top_logprobs)
 
   async def _completion_job(self, body: schemas.CompletionRequest) -> _Job:
     self._check_model(body.model)
@@ -232,20 +260,33 @@ class _Routes:
     return self._job(body, ids, budget=body.max_tokens, budget_param="max_tokens",
                      stop_ids=stop_ids, prompt_param="prompt")
 
-  async def _chat_job(self, body: schemas.ChatCompletionRequest) -> _Job:
-    self._check_model(body.model)
+  async def _render(self, body: schemas.ChatCompletionRequest, tools: list | None) -> str:
     try:
-      ids = await self.service.prompts.chat_ids([m.template_dict() for m in body.messages],
-                                                body.chat_template_kwargs or {})
+      return await self.service.prompts.render([m.template_dict() for m in body.messages],
+                                               body.chat_template_kwargs or {}, tools)
     except errors.MtpjaxError as e:
       over = isinstance(e.__cause__, TemplateBudgetExceeded)
       raise ApiError(400, e.message, param="messages",
                      code="template_budget_exceeded" if over else "invalid_value") from None
+
+  async def _chat_job(self, body: schemas.ChatCompletionRequest) -> _Job:
+    self._check_model(body.model)
+    tools = body.template_tools()
+    text = await self._render(body, tools)
+    if tools and text == await self._render(body, None):
+      raise schemas.unsupported("tools", "this model's chat template does not render tools, "
+                                "so the model would never see them; leave tools unset")
+    suffix = forced_call_prefix(text, body.forced_function() if tools else None)
+    output = ChatOutput(thinking=reasoning.prompt_opens_thinking(text), tools=tools,
+                        forced_prefix=suffix)
+    text += suffix
+    ids = await self.service.prompts.encode(text)
     if not ids:
       raise ApiError(400, "the messages render to an empty prompt", param="messages")
     budget_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
-    return self._job(body, ids, budget=body.token_budget, budget_param=budget_param,
-                     stop_ids=self.service.tokenizer.stop_ids, prompt_param="messages")
+    job = self._job(body, ids, budget=body.token_budget, budget_param=budget_param,
+                    stop_ids=self.service.tokenizer.stop_ids, prompt_param="messages")
+    return dataclasses.replace(job, output=output)
 
   # --- generation ---------------------------------------------------------------------------
 
@@ -264,7 +305,7 @@ class _Routes:
   def _finish_reason(text: _TextAssembler, finished: Finished | None) -> str:
     return "stop" if text.hit_stop_string or finished is None else finished.finish_reason
 
-  async def _next_event(self, generation: Generation, ticket: Ticket) -> list[int] | Finished:
+  async def _next_event(self, generation: Generation, ticket: Ticket):
     """The generation's next event, or 504 once the request's deadline has passed."""
     try:
       return await generation.next_event(ticket.remaining())
@@ -275,21 +316,24 @@ class _Routes:
                      code="deadline_exceeded") from None
 
   async def _collect(self, job: _Job, label: str, http: fastapi.Request, ticket: Ticket
-                     ) -> tuple[str, str, dict[str, int]]:
-    """(text, finish_reason, usage) of a whole generation; a client that leaves cancels it
-    at once (a watcher awaits the connection's disconnect message)."""
+                     ) -> tuple[str, str, dict[str, int], list]:
+    """(text, finish_reason, usage, TokenLogprobs) of a whole generation; a client that
+    leaves cancels it at once (a watcher awaits the connection's disconnect message)."""
     self._check_alive()
     generation, text = self._submit(job, label, ticket)
     gone = asyncio.ensure_future(_client_gone(http))
     gone.add_done_callback(lambda task: task.cancelled() or generation.cancel())
     finished = None
+    logprobs = None
     try:
       while finished is None and not text.hit_stop_string:
         event = await self._next_event(generation, ticket)
         if isinstance(event, Finished):
           finished = event
+        elif isinstance(event, LogprobBatch):
+          logprobs = event.entries
         else:
-          text.feed(event)
+          text.feed(event, logprobs)
     except EngineFailure as e:
       raise ApiError(500, str(e), type=schemas.SERVER_ERROR, code="engine_failure") from None
     finally:
@@ -300,36 +344,42 @@ class _Routes:
     if client_left:
       raise ApiError(499, "the client closed the connection", code="client_closed")
     text.finish()
-    return text.text, self._finish_reason(text, finished), _usage(len(job.request.prompt),
-                                                                  text.tokens)
+    return (text.text, self._finish_reason(text, finished),
+            _usage(len(job.request.prompt), text.tokens), text.logprobs)
 
-  async def _stream(self, job: _Job, label: str,
-                    chunk: Callable[[str | None, str | None], dict | None],
-                    ticket: Ticket) -> AsyncIterator[str]:
-    """SSE events; `chunk(delta, finish_reason)` builds each payload (delta None: the opener).
+  async def _stream(self, job: _Job, label: str, envelope: dict,
+                    chunk: Callable[..., list[dict]], ticket: Ticket) -> AsyncIterator[str]:
+    """SSE events; `chunk(delta, finish_reason, logprobs)` builds the payloads of each text
+    delta (delta None: the opener); `logprobs` are the TokenLogprobs of the tokens since the
+    last call; `envelope` (id, object, created, model) starts the usage payload.
 
     Starlette cancels this generator when the client disconnects; `finally` then frees the slot.
     """
     generation, text = self._submit(job, label, ticket)
     finished = None
+    logprobs = None
     try:
-      opener = chunk(None, None)
-      if opener is not None:
-        yield _sse(opener)
+      for payload in chunk(None, None, []):
+        yield _sse(payload)
       while finished is None and not text.hit_stop_string:
         event = await self._next_event(generation, ticket)
+        if isinstance(event, LogprobBatch):
+          logprobs = event.entries
+          continue
         if isinstance(event, Finished):
           finished = event
           delta = text.finish()
         else:
-          delta = text.feed(event)
+          delta = text.feed(event, logprobs)
           if text.hit_stop_string:
             generation.cancel("stop")   # free the slot now, not after the last sends
         if delta:
-          yield _sse(chunk(delta, None))
-      yield _sse(chunk("", self._finish_reason(text, finished)))
+          for payload in chunk(delta, None, text.new_logprobs()):
+            yield _sse(payload)
+      for payload in chunk("", self._finish_reason(text, finished), text.new_logprobs()):
+        yield _sse(payload)
       if job.include_usage:
-        yield _sse({**chunk("", None), "choices": [],
+        yield _sse({**envelope, "choices": [],
                     "usage": _usage(len(job.request.prompt), text.tokens)})
     except EngineFailure as e:
       self.service.metrics.on_error(500, "engine_failure")
@@ -352,21 +402,30 @@ class _Routes:
   async def _completion(self, http: fastapi.Request, body: schemas.CompletionRequest,
                         ticket: Ticket):
     job = await self._completion_job(body)
-    rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.service.model_name
+    envelope = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": self.service.model_name}
+    offset = 0
 
-    def chunk(delta: str | None, finish_reason: str | None) -> dict | None:
-      if delta is None:
+    def logprobs(entries: list, start: int) -> dict | None:
+      if job.top_logprobs is None:
         return None
-      return {"id": rid, "object": "text_completion", "created": created, "model": model,
-              "choices": [{"index": 0, "text": delta, "logprobs": None,
-                           "finish_reason": finish_reason}]}
+      return logprob_format.completion_logprobs(entries, self.service.tokenizer,
+                                                job.top_logprobs, start)
+
+    def chunk(delta: str | None, finish_reason: str | None, entries: list) -> list[dict]:
+      nonlocal offset
+      if delta is None:
+        return []
+      choice = {"index": 0, "text": delta, "logprobs": logprobs(entries, offset),
+                "finish_reason": finish_reason}
+      offset += len(delta)
+      return [{**envelope, "choices": [choice]}]
 
     if body.stream:
       self._check_alive()
-      return ticket.stream(self._stream(job, "completions", chunk, ticket))
-    content, reason, usage = await self._collect(job, "completions", http, ticket)
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": content, "logprobs": None,
+      return ticket.stream(self._stream(job, "completions", envelope, chunk, ticket))
+    content, reason, usage, entries = await self._collect(job, "completions", http, ticket)
+    return {**envelope, "choices": [{"index": 0, "text": content, "logprobs": logprobs(entries, 0),
                          "finish_reason": reason}], "usage": usage}
 
   async def chat_completions(self, http: fastapi.Request):
@@ -378,21 +437,40 @@ class _Routes:
                              ticket: Ticket):
     job = await self._chat_job(body)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.service.model_name
+    envelope = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    output = job.output
+    unsent: list = []                   # logprobs of tokens whose text the parsers still hold
 
-    def chunk(delta: str | None, finish_reason: str | None) -> dict:
-      message = ({"role": "assistant", "content": ""} if delta is None
-                 else {} if finish_reason is not None else {"content": delta})
-      return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-              "choices": [{"index": 0, "delta": message, "logprobs": None,
-                           "finish_reason": finish_reason}]}
+    def logprobs(entries: list) -> dict | None:
+      if job.top_logprobs is None or not entries:
+        return None
+      return logprob_format.chat_logprobs(entries, self.service.tokenizer, job.top_logprobs)
+
+    def payload(delta: dict, finish_reason: str | None = None) -> dict:
+      entries = list(unsent)
+      unsent.clear()
+      return {**envelope, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs(entries),
+                                       "finish_reason": finish_reason}]}
+
+    def chunk(text: str | None, finish_reason: str | None, entries: list) -> list[dict]:
+      if text is None:
+        return [payload({"role": "assistant", "content": ""})]
+      unsent.extend(entries)
+      deltas = output.feed(text) + (output.finish() if finish_reason is not None else [])
+      payloads = [payload(delta) for delta in deltas]
+      if finish_reason is not None:
+        payloads.append(payload({}, output.finish_reason(finish_reason)))
+      return payloads
 
     if body.stream:
       self._check_alive()
-      return ticket.stream(self._stream(job, "chat", chunk, ticket))
-    content, reason, usage = await self._collect(job, "chat", http, ticket)
+      return ticket.stream(self._stream(job, "chat", envelope, chunk, ticket))
+    content, reason, usage, entries = await self._collect(job, "chat", http, ticket)
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                         "logprobs": None, "finish_reason": reason}], "usage": usage}
+            "choices": [{"index": 0, "message": whole_message(content, output),
+                         "logprobs": logprobs(entries),
+                         "finish_reason": output.finish_reason(reason)}],
+            "usage": usage}
 
   async def models(self):
     return {"object": "list", "data": [self.service.model_card()]}

@@ -30,19 +30,16 @@ class PromptBuilder:
     """`GgufTokenizer.encode`, without holding the GIL."""
     return self.tokenizer.hf_tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
-  def _chat_ids(self, messages: Sequence[Mapping[str, Any]], template_vars: Mapping[str, Any]
-                ) -> list[int]:
-    text = self.template.render(messages, add_generation_prompt=True, **template_vars)
-    return self._encode(text)
-
   async def encode(self, text: str) -> list[int]:
     return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, text)
 
-  async def chat_ids(self, messages: Sequence[Mapping[str, Any]],
-                     template_vars: Mapping[str, Any]) -> list[int]:
-    """Token ids of the rendered conversation; raises the template's ConversionError."""
-    return await asyncio.get_running_loop().run_in_executor(
-        self._pool, self._chat_ids, messages, dict(template_vars))
+  async def render(self, messages: Sequence[Mapping[str, Any]], template_vars: Mapping[str, Any],
+                   tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    """The conversation rendered for generation (with `tools` when given); raises the
+    template's ConversionError."""
+    render = lambda: self.template.render(messages, add_generation_prompt=True, tools=tools,
+                                          **template_vars)
+    return await asyncio.get_running_loop().run_in_executor(self._pool, render)
 
   def close(self) -> None:
     self._pool.shutdown(wait=False, cancel_futures=True)

@@ -3,16 +3,20 @@
 Models are strict (`"5"` is not an int, `true` is not a number) so that a client bug shows up
 as a 400 naming the field instead of a silently coerced value. Fields the OpenAI API defines
 but mtpjax does not implement are accepted only at their neutral value: a client that asks for
-logprobs or penalties gets a clear 400, never an answer that quietly ignored the request.
-Unknown fields are ignored, as most OpenAI-compatible servers do.
+penalties gets a clear 400, never an answer that quietly ignored the request. A field mtpjax
+does not know at all (another server's extension, a typo) is a 400 `unsupported_field` naming
+it, for the same reason.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
+
+from mtpjax.engine.sampling import MAX_TOP_LOGPROBS
 
 INVALID_REQUEST = "invalid_request_error"
 NOT_FOUND = "not_found_error"
@@ -51,7 +55,7 @@ def unsupported(param: str, message: str) -> ApiError:
 
 
 class _Strict(BaseModel):
-  model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+  model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -106,7 +110,7 @@ class _GenerationRequest(_Strict):
 class CompletionRequest(_GenerationRequest):
   prompt: str | list[int] | list[str] | list[list[int]]
   echo: bool = False
-  logprobs: int | None = None
+  logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
   best_of: int | None = None
   suffix: str | None = None
 
@@ -114,12 +118,13 @@ class CompletionRequest(_GenerationRequest):
     super().check()
     if self.echo:
       raise unsupported("echo", "echo is not supported; leave it false")
-    if self.logprobs not in (None, 0):
-      raise unsupported("logprobs", "logprobs is not supported; leave it unset")
     if self.best_of not in (None, 1):
       raise unsupported("best_of", "best_of is not supported; leave it unset or 1")
     if self.suffix:
       raise unsupported("suffix", "suffix (insertion) is not supported; leave it unset")
+
+  def top_logprobs_wanted(self) -> int | None:
+    return self.logprobs
 
   def prompt_input(self) -> str | list[int]:
     """The single prompt, as text or token ids; a batch of prompts is rejected."""
@@ -145,24 +150,86 @@ class TextPart(_Strict):
   text: str
 
 
+class FunctionCall(_Strict):
+  name: str
+  arguments: str                          # JSON text, as OpenAI sends it
+
+
+class ToolCallItem(_Strict):
+  id: str
+  type: Literal["function"]
+  function: FunctionCall
+
+
 class ChatMessage(_Strict):
   role: Literal["system", "developer", "user", "assistant", "tool"]
   content: str | list[TextPart] | None = None
+  name: str | None = None
+  tool_calls: list[ToolCallItem] | None = None           # an assistant's earlier calls
+  tool_call_id: str | None = None                        # a tool result's call
+  reasoning_content: str | None = None                   # an assistant's earlier thinking
 
-  def template_dict(self) -> dict[str, str]:
-    """What the chat template sees: OpenAI's `developer` is the system turn of older APIs."""
+  def template_dict(self) -> dict[str, Any]:
+    """What the chat template sees: OpenAI's `developer` is the system turn of older APIs;
+    call arguments are objects, as GLM templates iterate them (`arguments.items()`)."""
     if isinstance(self.content, list):
       text = "".join(part.text for part in self.content)
     else:
       text = self.content or ""
-    return {"role": "system" if self.role == "developer" else self.role, "content": text}
+    message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": text}
+    for field in ("name", "tool_call_id", "reasoning_content"):
+      if getattr(self, field) is not None:
+        message[field] = getattr(self, field)
+    if self.tool_calls:
+      message["tool_calls"] = [
+          {"id": call.id, "type": "function",
+           "function": {"name": call.function.name,
+                        "arguments": _arguments(call.function.arguments)}}
+          for call in self.tool_calls]
+    return message
+
+
+def _arguments(text: str) -> dict[str, Any]:
+  try:
+    arguments = json.loads(text)
+  except ValueError:
+    arguments = None
+  if not isinstance(arguments, dict):
+    raise ApiError(400, f"tool call arguments must be a JSON object, got {text[:80]!r}",
+                   param="messages", code="invalid_value")
+  return arguments
+
+
+class FunctionDefinition(_Strict):
+  name: str = Field(pattern=r"^[A-Za-z0-9_.:\-]{1,64}$")
+  description: str | None = None
+  parameters: dict[str, Any] | None = None
+  strict: bool | None = None
+
+
+class Tool(_Strict):
+  type: Literal["function"]
+  function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+  name: str
+
+
+class NamedToolChoice(_Strict):
+  type: Literal["function"]
+  function: NamedFunction
 
 
 class ChatCompletionRequest(_GenerationRequest):
   messages: list[ChatMessage] = Field(min_length=1)
   max_completion_tokens: int | None = Field(default=None, ge=1)
   logprobs: bool = False
-  tools: list[Any] | None = None
+  top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+  tools: list[Tool] | None = None
+  tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+  parallel_tool_calls: bool | None = None
   response_format: dict[str, Any] | None = None
   chat_template_kwargs: dict[str, Any] | None = None      # extension (vLLM): e.g. enable_thinking
 
@@ -172,10 +239,18 @@ class ChatCompletionRequest(_GenerationRequest):
         and self.max_tokens != self.max_completion_tokens):
       raise ApiError(400, "max_tokens and max_completion_tokens disagree; send one of them",
                      param="max_completion_tokens")
-    if self.logprobs:
-      raise unsupported("logprobs", "logprobs is not supported; leave it false")
-    if self.tools:
-      raise unsupported("tools", "tool calling is not supported; leave tools unset")
+    if self.top_logprobs is not None and not self.logprobs:
+      raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    offered = [tool.function.name for tool in self.tools or ()]
+    choice = self.tool_choice
+    if choice not in (None, "none", "auto") and not offered:
+      raise ApiError(400, "tool_choice requires tools", param="tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in offered:
+      raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among "
+                     f"the tools {offered}", param="tool_choice")
+    if self.parallel_tool_calls is False:
+      raise unsupported("parallel_tool_calls", "parallel_tool_calls: false is not supported "
+                        "(GLM may call several tools in one reply); leave it unset")
     reserved = sorted(_RESERVED_TEMPLATE_VARIABLES & set(self.chat_template_kwargs or ()))
     if reserved:
       raise ApiError(400, f"chat_template_kwargs may not set {reserved}: the server sets them",
@@ -183,6 +258,23 @@ class ChatCompletionRequest(_GenerationRequest):
     if self.response_format and self.response_format.get("type", "text") != "text":
       raise unsupported("response_format", "only response_format {\"type\": \"text\"} is "
                         "supported")
+
+  def top_logprobs_wanted(self) -> int | None:
+    return (self.top_logprobs or 0) if self.logprobs else None
+
+  def template_tools(self) -> list[dict[str, Any]] | None:
+    """The tools the template renders (none with tool_choice "none")."""
+    if not self.tools or self.tool_choice == "none":
+      return None
+    return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+  def forced_function(self) -> str | None:
+    """The function tool_choice forces: "" for any (required), its name, or None."""
+    if self.tool_choice == "required":
+      return ""
+    if isinstance(self.tool_choice, NamedToolChoice):
+      return self.tool_choice.function.name
+    return None
 
   @property
   def token_budget(self) -> int | None:
@@ -211,6 +303,10 @@ def parse_body(model: type[_GenerationRequest], body: bytes) -> _GenerationReque
     if first["type"] == "model_type":
       raise ApiError(400, "the request body must be a JSON object", code="invalid_json") from None
     param = _param(first["loc"])
+    unknown = [_param(p["loc"]) for p in problems if p["type"] == "extra_forbidden"]
+    if unknown:
+      raise ApiError(400, f"{unknown[0]} is not supported by this server; remove it",
+                     param=unknown[0], code="unsupported_field") from None
     message = f"{param}: {first['msg']}" if param else first["msg"]
     if len(problems) > 1:
       more = len(problems) - 1

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from absl import logging
 
-from mtpjax.engine.scheduler import Request, RequestFailed, Result, SlotScheduler
+from mtpjax.engine.scheduler import Request, RequestFailed, Result, SlotScheduler, TokenLogprob
 from mtpjax.telemetry import MtpStats
 
 
@@ -32,6 +32,12 @@ class Finished:
   """The last event of a generation. `finish_reason` already maps a server-side cancel."""
   result: Result
   finish_reason: str
+
+
+@dataclasses.dataclass
+class LogprobBatch:
+  """The logprobs of the token batch that follows it in the event queue."""
+  entries: list[TokenLogprob]
 
 
 class Generation:
@@ -47,6 +53,7 @@ class Generation:
     self._cancelled = threading.Event()
     self._cancel_reason = "cancelled"
     self.request = dataclasses.replace(request, on_tokens=self._on_tokens,
+                                       on_logprobs=lambda e: self._put(LogprobBatch(list(e))),
                                        cancelled=self._cancelled.is_set)
 
   def cancel(self, reason: str = "cancelled") -> None:
@@ -92,8 +99,10 @@ class Generation:
                   prompt_tokens=len(self.request.prompt), time_to_first_token_s=0.0,
                   total_time_s=0.0)
 
-  async def next_event(self, timeout: float | None = None) -> list[int] | Finished:
-    """The next token batch or the final `Finished`; raises EngineFailure or TimeoutError."""
+  async def next_event(self, timeout: float | None = None
+                       ) -> list[int] | LogprobBatch | Finished:
+    """The next token batch (preceded by its LogprobBatch when the request asked for
+    logprobs) or the final `Finished`; raises EngineFailure or TimeoutError."""
     event = await asyncio.wait_for(self._events.get(), timeout)
     if isinstance(event, EngineFailure):
       raise event
