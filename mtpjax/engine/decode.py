@@ -217,16 +217,19 @@ class Engine:
 
   # --- prefill ------------------------------------------------------------------------------
 
-  def prefill(self, prompt: np.ndarray, sampler: SamplerParams) -> DecodeState:
-    """Run a prompt; the bucket leaves one row for the first sampled token's MTP row."""
+  def prefill(self, prompt: np.ndarray, sampler: SamplerParams, *,
+              logprobs: bool = False) -> DecodeState:
+    """Run a prompt; the bucket leaves one row for the first sampled token's MTP row.
+    `logprobs`: keep the first token's in `last_logprobs` (needs engine logprobs > 0)."""
     tokens, length = self.engine_cfg.padded_prompt(prompt)
     keys, temperature, top_k, top_p = _sampler_arrays(sampler.validate())
-    prefix, logprobs = self._prefill(self._leaves, tokens, np.int32(length), keys,
-                                     temperature, top_k, top_p)
-    self._keep_logprobs(logprobs)
+    prefix, computed = self._prefill(self._leaves, tokens, np.int32(length), keys,
+                                     temperature, top_k, top_p, np.bool_(logprobs))
+    self._keep_logprobs(computed, logprobs)
     return prefix
 
-  def _prefill_fn(self, leaves, tokens, length, keys, temperature, top_k, top_p):
+  def _prefill_fn(self, leaves, tokens, length, keys, temperature, top_k, top_p,
+                  want=False):
     model = self._model(leaves)
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
     kv = init_kv(self.cfg, self.cfg.n_layers, 1, self.engine_cfg.cache_len, self.dtype)
@@ -237,7 +240,7 @@ class Engine:
                                                            keepdims=False))
     prefix = prefill_commit(model, self.engine_cfg, tokens, hidden, length,
                             (keys, temperature, top_k, top_p), logits)
-    return prefix.replace(kv=kv), self._logprobs(logits, prefix.current)
+    return prefix.replace(kv=kv), self._logprobs(logits, prefix.current, want)
 
   def insert(self, prefix: DecodeState, state: DecodeState, slot: int) -> DecodeState:
     lag = self._known_lag(state)
@@ -253,8 +256,8 @@ class Engine:
 
   # --- steps --------------------------------------------------------------------------------
 
-  def step(self, state: DecodeState, active: np.ndarray, drafting: np.ndarray | None = None
-           ) -> tuple[DecodeState, np.ndarray, dict]:
+  def step(self, state: DecodeState, active: np.ndarray, drafting: np.ndarray | None = None,
+           *, logprobs: bool = False) -> tuple[DecodeState, np.ndarray, dict]:
     """One decode step for every slot; returns the new state, ResultTokens and timings (us).
 
     With native MTP, `drafting` [B] says which slots use their draft this step (None: all).
@@ -266,27 +269,29 @@ class Engine:
     # a jnp.asarray per argument (a few hundred microseconds a step on a CPU host).
     active = np.asarray(active, bool)
     k = self.slots_for(active)          # the step runs over slots [0, k) only
+    want = np.bool_(logprobs)           # `last_logprobs` of the committed tokens, if asked
     if not self.engine_cfg.native_mtp:
-      state, result, logprobs = self._decode(self._leaves, state, active[:k])
-      self._keep_logprobs(logprobs)
+      state, result, computed = self._decode(self._leaves, state, active[:k], want)
+      self._keep_logprobs(computed, logprobs)
       return state, self._all_slots(result), {}
     drafting = np.ones(active.shape, bool) if drafting is None else np.asarray(drafting, bool)
     if not (drafting[active].any() if active.any() else drafting.any()):
       lag = self._known_lag(state)
-      state, result, logprobs = self._plain(self._leaves, state, active[:k])
-      self._keep_logprobs(logprobs)
+      state, result, computed = self._plain(self._leaves, state, active[:k], want)
+      self._keep_logprobs(computed, logprobs)
       return (self._with_lag(None if lag is None else lag + active, state),
               self._all_slots(result), {})
     state = self.catch_up(state, active)
     lag = self._known_lag(state)       # a drafting step leaves the lag as it is
     if not self.engine_cfg.timing:
-      state, result, logprobs = self._fused(self._leaves, state, active[:k], drafting[:k])
-      self._keep_logprobs(logprobs)
+      state, result, computed = self._fused(self._leaves, state, active[:k], drafting[:k],
+                                            want)
+      self._keep_logprobs(computed, logprobs)
       return self._with_lag(lag, state), self._all_slots(result), {}
     start = time.perf_counter()
-    state, verified, logprobs = self._verify(self._leaves, state, active[:k])
+    state, verified, computed = self._verify(self._leaves, state, active[:k], want)
     jax.block_until_ready(verified)
-    self._keep_logprobs(logprobs)
+    self._keep_logprobs(computed, logprobs)
     mid = time.perf_counter()
     state, result = self._draft(self._leaves, state, verified, active[:k], drafting[:k])
     result = self._all_slots(result)
@@ -299,17 +304,23 @@ class Engine:
   def computes_logprobs(self) -> bool:
     return self.engine_cfg.logprobs > 0
 
-  def _logprobs(self, logits, tokens):
+  def _logprobs(self, logits, tokens, want):
     """`token_logprobs` of the committed rows (logits [B, R, V] or [B, V], tokens [B, R] or
-    [B]) as [B, R] arrays, or None when the engine computes no logprobs."""
+    [B]) as [B, R] arrays, or None when the engine computes no logprobs. Only a step some
+    request wants them from pays for them (`want`, a traced bool: zeros otherwise); the
+    log-softmax and top-n cost a fifth of a plain step of the demo model on a CPU."""
     if logits is None:
       return None
     if tokens.ndim == 1:
       logits, tokens = logits[:, None], tokens[:, None]
-    return token_logprobs(logits, tokens, self.engine_cfg.logprobs)
+    n = self.engine_cfg.logprobs
+    skipped = lambda: (jnp.zeros(tokens.shape, jnp.float32),
+                       jnp.zeros(tokens.shape + (n,), jnp.int32),
+                       jnp.zeros(tokens.shape + (n,), jnp.float32))
+    return jax.lax.cond(want, lambda: token_logprobs(logits, tokens, n), skipped)
 
-  def _keep_logprobs(self, logprobs) -> None:
-    self.last_logprobs = None if logprobs is None else tuple(jax.device_get(logprobs))
+  def _keep_logprobs(self, computed, wanted: bool) -> None:
+    self.last_logprobs = tuple(jax.device_get(computed)) if wanted and computed else None
 
   def slots_for(self, active: np.ndarray) -> int:
     """How many leading slots a step computes: the smallest bucket that holds every active
@@ -345,7 +356,7 @@ class Engine:
   # Each step function runs over the first active.shape[0] slots (`first_slots`): the caches
   # stay whole and the model writes and reads only those slots' rows.
 
-  def _decode_fn(self, leaves, state: DecodeState, active):
+  def _decode_fn(self, leaves, state: DecodeState, active, want=False):
     model = self._model(leaves)
     part = first_slots(state, active.shape[0])
     hidden, kv = model.forward(
@@ -353,9 +364,9 @@ class Engine:
     logits = model.lm_logits(hidden[:, 0]) if self.engine_cfg.logprobs else None
     part, result = decode_commit(model, part, hidden, active, logits)
     return (with_slots(state, part.replace(kv=kv)), result,
-            self._logprobs(logits, result[:, TOKEN_A]))
+            self._logprobs(logits, result[:, TOKEN_A], want))
 
-  def _verify_fn(self, leaves, state: DecodeState, active):
+  def _verify_fn(self, leaves, state: DecodeState, active, want=False):
     """Target pass over [current, draft]; returns the sampled tokens and hiddens."""
     model = self._model(leaves)
     part = first_slots(state, active.shape[0])
@@ -364,18 +375,18 @@ class Engine:
     logits = model.lm_logits(hidden) if self.engine_cfg.logprobs else None
     verified = verify_tokens(model, part, hidden, logits)
     return (state.replace(kv=kv), verified,
-            self._logprobs(logits, jnp.stack(verified[:2], axis=1)))
+            self._logprobs(logits, jnp.stack(verified[:2], axis=1), want))
 
   def _draft_fn(self, leaves, state: DecodeState, verified, active, drafting):
     part = first_slots(state, active.shape[0])
     part, result = draft_commit(self._model(leaves), part, verified, active, drafting)
     return with_slots(state, part), result
 
-  def _fused_fn(self, leaves, state: DecodeState, active, drafting):
-    state, verified, logprobs = self._verify_fn(leaves, state, active)
+  def _fused_fn(self, leaves, state: DecodeState, active, drafting, want=False):
+    state, verified, logprobs = self._verify_fn(leaves, state, active, want)
     return (*self._draft_fn(leaves, state, verified, active, drafting), logprobs)
 
-  def _plain_fn(self, leaves, state: DecodeState, active):
+  def _plain_fn(self, leaves, state: DecodeState, active, want=False):
     """A step without drafting: decode one position, record the row's MTP inputs."""
     model = self._model(leaves)
     part = first_slots(state, active.shape[0])
@@ -383,7 +394,7 @@ class Engine:
         *step_inputs(part.current, part.draft, part.pos, native_mtp=False), state.kv)
     logits = model.lm_logits(hidden[:, 0]) if self.engine_cfg.logprobs else None
     part, result = plain_commit(model, part.replace(kv=kv), hidden, active, logits)
-    return with_slots(state, part), result, self._logprobs(logits, result[:, TOKEN_A])
+    return with_slots(state, part), result, self._logprobs(logits, result[:, TOKEN_A], want)
 
   def _catch_up_fn(self, leaves, state: DecodeState, active):
     part = first_slots(state, active.shape[0])

@@ -216,7 +216,8 @@ class SlotScheduler:
         continue
       request, done = self.waiting.popleft()
       started = time.perf_counter()
-      prefix = self.engine.prefill(request.prompt, request.sampler)
+      prefix = (self.engine.prefill(request.prompt, request.sampler, logprobs=True)
+                if request.logprobs else self.engine.prefill(request.prompt, request.sampler))
       self.state = self.engine.insert(prefix, self.state, index)
       live = _Live(request=request, done=done, started=started)
       live.counts["target_passes"] += 1
@@ -295,11 +296,14 @@ class SlotScheduler:
     # One drafting slot makes this a drafting step, and then every live slot's draft is free.
     drafted = self.native_mtp and any(s is not None and self._drafts(s) for s in self.slots)
     started = time.perf_counter()
+    # Only engines that compute logprobs take the flag (a request's submit checked that).
+    wants = {"logprobs": True} if any(s is not None and s.request.logprobs
+                                      for s in self.slots) else {}
     if self.native_mtp:
       self.state, result, timing = self.engine.step(
-          self.state, active, active if drafted else np.zeros_like(active))
+          self.state, active, active if drafted else np.zeros_like(active), **wants)
     else:
-      self.state, result, timing = self.engine.step(self.state, active)
+      self.state, result, timing = self.engine.step(self.state, active, **wants)
     for index, (live, row) in enumerate(zip(self.slots, result.tolist())):
       if live is None:
         continue
