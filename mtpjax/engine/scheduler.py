@@ -227,7 +227,7 @@ class SlotScheduler:
         continue
       request, done = self.waiting.popleft()
       started = time.perf_counter()
-      prefix = self.engine.prefill(request.prompt, request.sampler)
+      prefix = self.engine.prefill(request.prompt, request.sampler, logprobs=request.logprobs)
       self.state = self.engine.insert(prefix, self.state, index)
       live = _Live(request=request, done=done, started=started)
       live.counts["target_passes"] += 1
@@ -298,11 +298,13 @@ class SlotScheduler:
     # One drafting slot makes this a drafting step, and then every live slot's draft is free.
     drafted = self.native_mtp and any(s is not None and self._drafts(s) for s in self.slots)
     started = time.perf_counter()
+    # Logprobs cost a step something only while a live request asks for them.
+    wants = any(s is not None and s.request.logprobs for s in self.slots)
     if self.native_mtp:
       self.state, result, info = self.engine.step(
-          self.state, active, active if drafted else np.zeros_like(active))
+          self.state, active, active if drafted else np.zeros_like(active), logprobs=wants)
     else:
-      self.state, result, info = self.engine.step(self.state, active)
+      self.state, result, info = self.engine.step(self.state, active, logprobs=wants)
     for index, (live, row) in enumerate(zip(self.slots, result.tolist())):
       if live is None:
         continue
