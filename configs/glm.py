@@ -62,8 +62,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # When to draft (AdaptiveDrafting): "cost" pauses drafting while it does not pay in wall time
   # or while a slot's drafts are rejected; "accept_rate" only the latter; "off" always drafts.
   config.engine.adaptive_drafting = "cost"
-  # Top logprobs per token every step computes, so requests may ask for logprobs (at most 20,
-  # OpenAI's limit); 0 skips the log-softmax and top-k of each step.
+  # Top logprobs per token a step computes while a request asks for logprobs (at most 20,
+  # OpenAI's limit); 0: the server refuses logprobs.
   config.engine.logprobs = 20
 
   config.sampling = ml_collections.ConfigDict()

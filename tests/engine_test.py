@@ -400,7 +400,8 @@ class MtpEngineTest(parameterized.TestCase):
     group = engine.init_state().groups[0]
     active = np.ones(1, bool)
     hlo = engine._steps[step][0].lower(engine._leaves[0], None, group.kv[0], group.head, active,
-                                       active if native_mtp else None).compile().as_text()
+                                       active if native_mtp else None, np.bool_(False)
+                                       ).compile().as_text()
     copied = {tuple(int(d) for d in dims.split(",") if d)
               for dims in re.findall(r"= \w+\[([\d,]*)\]\S* copy\(", hlo)}
     caches = jax.tree.leaves((group.kv, group.head.mtp_kv))

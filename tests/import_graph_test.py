@@ -18,7 +18,7 @@ LAYERS = (
     ("test helpers", ("mtpjax.testing",)),
     ("entry points", ("mtpjax.serve", "mtpjax.server", "mtpjax.convert", "mtpjax.embedded",
                       "mtpjax.distributed")),
-    ("public API", ("mtpjax.api",)),
+    ("public API", ("mtpjax.api", "mtpjax.text")),
     ("engine", ("mtpjax.engine",)),
     ("weights", ("mtpjax.loading", "mtpjax.checkpoint", "mtpjax.sharding", "mtpjax.staging")),
     ("models", ("mtpjax.models",)),

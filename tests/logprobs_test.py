@@ -10,7 +10,8 @@ from absl.testing import absltest, parameterized
 
 import mtpjax
 from mtpjax import embedded
-from mtpjax.engine.sampling import MAX_TOP_LOGPROBS
+from mtpjax.engine.scheduler import Request, SlotScheduler
+from mtpjax.engine.sampling import MAX_TOP_LOGPROBS, SamplerParams
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -63,6 +64,20 @@ class LogprobsTest(parameterized.TestCase):
                                [e.logprob for e in want.logprobs], atol=2e-5)
     np.testing.assert_allclose([[v for _, v in e.top] for e in got.logprobs],
                                [[v for _, v in e.top] for e in want.logprobs], atol=2e-5)
+
+  def test_batched_with_a_request_without_logprobs(self):
+    """Steps compute logprobs only while a live request asks; a batch mate changes nothing."""
+    engine = self.model.engine(native_mtp=True, slots=2, max_len=128,
+                               logprobs=MAX_TOP_LOGPROBS)
+    sampler = SamplerParams(temperature=0.9, seed=7)
+    asking = Request(prompt=self.prompt, max_new_tokens=24, sampler=sampler, logprobs=True)
+    other = Request(prompt=self.prompt[:5], max_new_tokens=40)
+    with_logprobs, without = SlotScheduler(engine, adaptive=None).run([asking, other])
+    solo = self.generate("disabled", 0.9)
+    self.assertEqual(with_logprobs.tokens, solo.tokens)
+    np.testing.assert_allclose([e.logprob for e in with_logprobs.logprobs],
+                               [e.logprob for e in solo.logprobs], atol=2e-5)
+    self.assertIsNone(without.logprobs)
 
   def test_without_logprobs_the_result_has_none(self):
     result = self.model.generate(self.prompt, max_new_tokens=4)

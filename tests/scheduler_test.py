@@ -305,16 +305,16 @@ class SlowStepEngine:
   def init_state(self):
     return self.engine.init_state()
 
-  def prefill(self, prompt, sampler):
-    return self.engine.prefill(prompt, sampler)
+  def prefill(self, prompt, sampler, *, logprobs=False):
+    return self.engine.prefill(prompt, sampler, logprobs=logprobs)
 
   def insert(self, prefix, state, slot):
     return self.engine.insert(prefix, state, slot)
 
-  def step(self, state, active, drafting):
+  def step(self, state, active, drafting, *, logprobs=False):
     if bool(np.asarray(drafting)[np.asarray(active)].any()) == self.slow_drafting:
       time.sleep(self.delay)
-    return self.engine.step(state, active, drafting)
+    return self.engine.step(state, active, drafting, logprobs=logprobs)
 
   def free(self, state, slot):
     return self.engine.free(state, slot)

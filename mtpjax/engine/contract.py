@@ -105,9 +105,9 @@ class DecodeEngine(Protocol):
 
   A prefix (`prefill`) is inserted into a slot of the state; `step` advances every active slot
   and returns ResultTokens [slots, 4] (TOKEN_A, TOKEN_B, COUNT, ACCEPTED) and a dict of
-  timings (us) and, with `engine_cfg.logprobs`, "logprobs": (chosen [slots, R], top ids and top
-  logprobs [slots, R, n]) of the rows a step can commit (R = 2 verifying, else 1); a prefix
-  carries its first token's as `logprobs`. `free` releases a finished slot. With native MTP, `drafting` [slots] says which slots use their
+  timings (us) and, when `logprobs` was asked of an engine with `engine_cfg.logprobs`,
+  "logprobs": (chosen [slots, R], top ids and top logprobs [slots, R, n]) of the rows a step can
+  commit (R = 2 verifying, else 1); a prefix then carries its first token's as `logprobs`. `free` releases a finished slot. With native MTP, `drafting` [slots] says which slots use their
   draft, and `catch_up` brings paused slots' MTP caches up to date.
   """
   engine_cfg: EngineConfig
@@ -118,12 +118,13 @@ class DecodeEngine(Protocol):
 
   def init_state(self) -> Any: ...
 
-  def prefill(self, prompt: np.ndarray, sampler: SamplerParams) -> Any: ...
+  def prefill(self, prompt: np.ndarray, sampler: SamplerParams, *,
+              logprobs: bool = False) -> Any: ...
 
   def insert(self, prefix: Any, state: Any, slot: int) -> Any: ...
 
-  def step(self, state: Any, active: np.ndarray, drafting: np.ndarray | None = None
-           ) -> tuple[Any, np.ndarray, dict]: ...
+  def step(self, state: Any, active: np.ndarray, drafting: np.ndarray | None = None, *,
+           logprobs: bool = False) -> tuple[Any, np.ndarray, dict]: ...
 
   def catch_up(self, state: Any, active: np.ndarray) -> Any: ...
 

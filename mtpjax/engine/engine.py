@@ -150,13 +150,15 @@ class Engine:
     x, kv, selection = steps.fresh_forward(model, inp, self.engine_cfg.cache_len)
     if not self.layouts[s].output:
       return (x, selection if self._hands_selection(s) else None), kv
-    tokens, length, sampler = extra
-    return steps.prefill_commit(model, self.engine_cfg, tokens, x, length, sampler), kv
+    tokens, length, sampler, want = extra
+    return steps.prefill_commit(model, self.engine_cfg, tokens, x, length, sampler, want), kv
 
-  def prefill(self, prompt: np.ndarray, sampler: SamplerParams) -> Prefix:
-    """Run a prompt; the bucket leaves one row for the first sampled token's MTP row."""
+  def prefill(self, prompt: np.ndarray, sampler: SamplerParams, *,
+              logprobs: bool = False) -> Prefix:
+    """Run a prompt; the bucket leaves one row for the first sampled token's MTP row.
+    `logprobs`: the prefix carries the first token's (needs `engine_cfg.logprobs`)."""
     tokens, length = self.engine_cfg.padded_prompt(prompt)
-    extra = (tokens, np.int32(length), sampler_arrays(sampler.validate()))
+    extra = (tokens, np.int32(length), sampler_arrays(sampler.validate()), np.bool_(logprobs))
     kv = [None] * len(self.layouts)
     x, head, logprobs, t = tokens, None, None, tokens.shape[1]
     for s in range(len(self.layouts)):
@@ -172,9 +174,9 @@ class Engine:
         x = out
     current = self.hops.share(None if head is None else head.slots.current, self.last,
                               like=_ints(1))
-    return Prefix(kv=kv, head=head, current=current,
-                  logprobs=self._shared_logprobs([logprobs] if head is not None else [],
-                                                 [(0, 1)], 1))
+    shared = (self._shared_logprobs([logprobs] if head is not None else [], [(0, 1)], 1)
+              if logprobs_wanted(self.engine_cfg, logprobs) else None)
+    return Prefix(kv=kv, head=head, current=current, logprobs=shared)
 
   def insert(self, prefix: Prefix, state: EngineState, slot: int) -> EngineState:
     g = next(i for i, (lo, hi) in enumerate(self.bounds) if lo <= slot < hi)
@@ -202,8 +204,8 @@ class Engine:
 
   # --- steps --------------------------------------------------------------------------------
 
-  def _step_fn(self, s: int, leaves, inp, kv, head: HeadState | None, active, drafting, *,
-               kind: str):
+  def _step_fn(self, s: int, leaves, inp, kv, head: HeadState | None, active, drafting, want,
+               *, kind: str):
     """Stage `s` of one step of `kind` over the first active.shape[0] slots of a group.
 
     `decode` (MTP off) and `plain` (native MTP, no slot drafting) decode one position per
@@ -230,14 +232,14 @@ class Engine:
       return (x, positions, selection if self._hands_selection(s) else None), kv
     top_n = self.engine_cfg.logprobs
     if kind == "verify":
-      return steps.verify_tokens(model, part, x, top_n), kv
+      return steps.verify_tokens(model, part, x, top_n, want), kv
     if kind == "verify_draft":
-      verified, logprobs = steps.verify_tokens(model, part, x, top_n)
+      verified, logprobs = steps.verify_tokens(model, part, x, top_n, want)
       part, result = steps.draft_commit(model, part, verified, active, drafting)
     elif kind == "plain":
-      part, result, logprobs = steps.plain_commit(model, part, x, active, top_n)
+      part, result, logprobs = steps.plain_commit(model, part, x, active, top_n, want)
     else:
-      part, result, logprobs = steps.decode_commit(model, part, x, active, top_n)
+      part, result, logprobs = steps.decode_commit(model, part, x, active, top_n, want)
     return (head.merge(part), result, logprobs), kv
 
   def _draft_fn(self, leaves, head: HeadState, verified, active, drafting):
@@ -265,16 +267,18 @@ class Engine:
           group.head = self._catch_up(self._leaves[self.last], group.head, act)
     return state
 
-  def step(self, state: EngineState, active: np.ndarray, drafting: np.ndarray | None = None
-           ) -> tuple[EngineState, np.ndarray, dict]:
+  def step(self, state: EngineState, active: np.ndarray, drafting: np.ndarray | None = None,
+           *, logprobs: bool = False) -> tuple[EngineState, np.ndarray, dict]:
     """One step for every group: the state, ResultTokens [slots, 4] and an info dict (timings
     in us, and logprobs; see `DecodeEngine`).
 
     With native MTP, `drafting` [B] says which slots use their draft this step (None: all).
     A slot that does not draft only commits the target's token, so its output is unchanged;
     when no active slot drafts, a plain step decodes one position without the MTP block, and
-    the next drafting step first catches the MTP KV up (`catch_up`).
+    the next drafting step first catches the MTP KV up (`catch_up`). `logprobs`: some live
+    request wants the committed rows' logprobs.
     """
+    want = np.bool_(logprobs)
     # Host arrays go to the compiled steps as they are: jit's own transfer is far cheaper than
     # a device_put per argument (a few hundred microseconds a step on a CPU host).
     active = np.asarray(active, bool)
@@ -306,14 +310,15 @@ class Engine:
           continue
         if s < self.last:
           out, group.kv[s] = self._steps[kind][s](self._leaves[s], out, group.kv[s], None, act,
-                                                  None)
+                                                  None, want)
         elif kind == "verify_draft" and self.engine_cfg.timing:
-          group.head, result, rows = self._timed_last_stage(group, out, act, draft_mask, info)
+          group.head, result, rows = self._timed_last_stage(group, out, act, draft_mask, want,
+                                                            info)
           results.append(result)
           logprobs.append(rows)
         else:
           (group.head, result, rows), group.kv[s] = self._steps[kind][s](
-              self._leaves[s], out, group.kv[s], group.head, act, draft_mask)
+              self._leaves[s], out, group.kv[s], group.head, act, draft_mask, want)
           results.append(result)
           logprobs.append(rows)
     if kind == "plain":
@@ -321,7 +326,7 @@ class Engine:
     shared = [self.hops.share(_padded(results[i], hi - lo) if results else None, self.last,
                               like=_ints(hi - lo, 4))
               for i, (lo, hi) in enumerate(self.bounds)]
-    if self.engine_cfg.logprobs:
+    if logprobs_wanted(self.engine_cfg, logprobs):
       info["logprobs"] = self._shared_logprobs(logprobs, self.bounds, tokens)
     return state, np.concatenate([np.asarray(r) for r in shared]), info
 
@@ -340,12 +345,12 @@ class Engine:
       joined.append(self.hops.share(mine, self.last, like=like))
     return tuple(np.concatenate([np.asarray(g[j]) for g in joined]) for j in range(3))
 
-  def _timed_last_stage(self, group: Group, inp, active, drafting, timings: dict):
+  def _timed_last_stage(self, group: Group, inp, active, drafting, want, timings: dict):
     """The last stage of a drafting step as two synced jits: verify, then draft and commit."""
     leaves = self._leaves[self.last]
     start = time.perf_counter()
     (verified, logprobs), group.kv[self.last] = self._verify(
-        leaves, inp, group.kv[self.last], group.head, active, drafting)
+        leaves, inp, group.kv[self.last], group.head, active, drafting, want)
     jax.block_until_ready(verified)
     mid = time.perf_counter()
     head, result = self._draft(leaves, group.head, verified, active, drafting)
@@ -355,6 +360,11 @@ class Engine:
                           ("proposal_compute_us", end - mid)):
       timings[name] = timings.get(name, 0) + int(seconds * 1e6)
     return head, result, logprobs
+
+
+def logprobs_wanted(engine_cfg: EngineConfig, asked: bool) -> bool:
+  """Whether a prefill or step returns logprobs: asked for, on an engine that computes them."""
+  return bool(asked) and engine_cfg.logprobs > 0
 
 
 def _padded(result, slots: int) -> np.ndarray:

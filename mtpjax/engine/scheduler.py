@@ -238,7 +238,8 @@ class SlotScheduler:
       request, done = self.waiting.popleft()
       started = time.perf_counter()
       try:
-        prefix = self.engine.prefill(request.prompt, request.sampler)
+        prefix = self.engine.prefill(request.prompt, request.sampler,
+                                     logprobs=request.logprobs)
       except Exception as error:   # nothing of the state is touched yet: fail this one alone
         raise RequestFailed(request, error) from error
       self.state = self.engine.insert(prefix, self.state, index)
@@ -311,11 +312,13 @@ class SlotScheduler:
     # One drafting slot makes this a drafting step, and then every live slot's draft is free.
     drafted = self.native_mtp and any(s is not None and self._drafts(s) for s in self.slots)
     started = time.perf_counter()
+    # Logprobs cost a step something only while a live request asks for them.
+    wants = any(s is not None and s.request.logprobs for s in self.slots)
     if self.native_mtp:
       self.state, result, info = self.engine.step(
-          self.state, active, active if drafted else np.zeros_like(active))
+          self.state, active, active if drafted else np.zeros_like(active), logprobs=wants)
     else:
-      self.state, result, info = self.engine.step(self.state, active)
+      self.state, result, info = self.engine.step(self.state, active, logprobs=wants)
     for index, (live, row) in enumerate(zip(self.slots, result.tolist())):
       if live is None:
         continue

@@ -67,14 +67,20 @@ def fresh_forward(model: CausalLM, inp, cache_len: int) -> tuple[jax.Array, list
   return stage_forward(model, inp, positions, kv)
 
 
-def committed_logprobs(logits, tokens, top_n: int):
+def committed_logprobs(logits, tokens, top_n: int, want):
   """`token_logprobs` of committed rows (logits [B, R, V], tokens [B, R]); None when the
-  engine computes none (`EngineConfig.logprobs` 0)."""
-  return token_logprobs(logits, tokens, top_n) if top_n else None
+  engine computes none (`EngineConfig.logprobs` 0). Only a step some request wants them from
+  pays for the log-softmax and top-n (`want`, a traced bool; zeros otherwise)."""
+  if not top_n:
+    return None
+  skipped = lambda: (jnp.zeros(tokens.shape, jnp.float32),
+                     jnp.zeros(tokens.shape + (top_n,), jnp.int32),
+                     jnp.zeros(tokens.shape + (top_n,), jnp.float32))
+  return jax.lax.cond(want, lambda: token_logprobs(logits, tokens, top_n), skipped)
 
 
 def prefill_commit(model: CausalLM, engine_cfg: EngineConfig, tokens, hidden, length,
-                   sampler: tuple) -> tuple[HeadState, tuple | None]:
+                   sampler: tuple, want=False) -> tuple[HeadState, tuple | None]:
   """Sample the first token from the prompt's last hidden and, with MTP, draft the next one.
 
   `hidden` [1, bucket, D] is the post-norm trunk output of the prompt `tokens` [1, bucket].
@@ -96,13 +102,13 @@ def prefill_commit(model: CausalLM, engine_cfg: EngineConfig, tokens, hidden, le
   return head.replace(slots=Slots(
       pos=length[None], current=first, draft=draft, h_prev=last, keys=keys,
       temperature=temperature, top_k=top_k, top_p=top_p, mtp_lag=jnp.zeros((1,), jnp.int32))
-  ), committed_logprobs(logits[:, None], first[:, None], engine_cfg.logprobs)
+  ), committed_logprobs(logits[:, None], first[:, None], engine_cfg.logprobs, want)
 
 
-def decode_commit(model: CausalLM, head: HeadState, hidden, active, top_n: int = 0
-                  ) -> tuple[HeadState, jax.Array, tuple | None]:
+def decode_commit(model: CausalLM, head: HeadState, hidden, active, top_n: int = 0,
+                  want=False) -> tuple[HeadState, jax.Array, tuple | None]:
   """Plain decoding: sample one token per slot from `hidden` [B, 1, D] and commit it; with
-  `top_n`, also the committed row's logprobs."""
+  `top_n`, also the committed row's logprobs (`committed_logprobs`)."""
   s = head.slots
   logits = model.lm_logits(hidden[:, 0])
   token = sample(logits, s.keys, s.pos + 1, s.temperature, s.top_k, s.top_p)
@@ -111,10 +117,10 @@ def decode_commit(model: CausalLM, head: HeadState, hidden, active, top_n: int =
   slots = s.replace(pos=jnp.where(active, s.pos + 1, s.pos),
                     current=jnp.where(active, token, s.current), h_prev=hidden[:, 0])
   return (head.replace(slots=slots), result,
-          committed_logprobs(logits[:, None], token[:, None], top_n))
+          committed_logprobs(logits[:, None], token[:, None], top_n, want))
 
 
-def verify_tokens(model: CausalLM, head: HeadState, hidden, top_n: int = 0
+def verify_tokens(model: CausalLM, head: HeadState, hidden, top_n: int = 0, want=False
                   ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], tuple | None]:
   """Sample the target's tokens at both verify positions: ((token_a, token_b, hidden), and
   with `top_n` both rows' logprobs)."""
@@ -128,7 +134,7 @@ def verify_tokens(model: CausalLM, head: HeadState, hidden, top_n: int = 0
   tokens = sample(logits.reshape(batch * rows, vocab), per_row(s.keys), positions.reshape(-1),
                   per_row(s.temperature), per_row(s.top_k), per_row(s.top_p)
                   ).reshape(batch, rows)
-  return (tokens[:, 0], tokens[:, 1], hidden), committed_logprobs(logits, tokens, top_n)
+  return (tokens[:, 0], tokens[:, 1], hidden), committed_logprobs(logits, tokens, top_n, want)
 
 
 def draft_commit(model: CausalLM, head: HeadState, verified, active, drafting
@@ -158,8 +164,8 @@ def draft_commit(model: CausalLM, head: HeadState, verified, active, drafting
   return head.replace(mtp_kv=mtp_kv, slots=slots), result
 
 
-def plain_commit(model: CausalLM, head: HeadState, hidden, active, top_n: int = 0
-                 ) -> tuple[HeadState, jax.Array, tuple | None]:
+def plain_commit(model: CausalLM, head: HeadState, hidden, active, top_n: int = 0,
+                 want=False) -> tuple[HeadState, jax.Array, tuple | None]:
   """Commit one sampled token per slot without the MTP block: the new row's MTP inputs
   (token, h_pos) go to the history and the slot's MTP KV falls one more row behind.
   The draft is left as it was (a stale draft is only ever rejected).
@@ -167,7 +173,7 @@ def plain_commit(model: CausalLM, head: HeadState, hidden, active, top_n: int = 
   Only these steps write the history: the rows a catch-up reads are exactly the rows committed
   by plain steps since the slot was last caught up.
   """
-  committed, result, logprobs = decode_commit(model, head, hidden, active, top_n)
+  committed, result, logprobs = decode_commit(model, head, hidden, active, top_n, want)
   s = committed.slots
   start = head.slots.pos + 1
   return committed.replace(
