@@ -1,8 +1,8 @@
 """A/B a benchmark across two checkouts: alternating processes, one JSON line of ratios.
 
 Runs `python -m tools.bench_decode ARGS` in the baseline checkout and in this one, alternately
-(baseline, candidate, baseline, ...), `--rounds` times each, so drift of a noisy machine hits
-both alike; each process prints one JSON line per slot count. Reports, per slot count, the
+(baseline first in even rounds, candidate first in odd ones), `--rounds` times each, so drift of
+a noisy machine hits both alike; each process prints one JSON line per slot count. Reports, per slot count, the
 median MTP-off and MTP-on tokens/s of each side, their ratios (candidate / baseline) and whether
 both sides generated the same tokens (`outputs_sha256`).
 
@@ -43,8 +43,11 @@ def main(argv):
   args = argv[1:]
   sides = {"baseline": pathlib.Path(_BASELINE.value).resolve(), "candidate": CANDIDATE}
   lines: dict[str, list[dict]] = {side: [] for side in sides}
-  for _ in range(_ROUNDS.value):
-    for side, tree in sides.items():
+  for round_ in range(_ROUNDS.value):
+    # Each side goes first every other round, so a machine that drifts within a pair of runs
+    # favours neither.
+    order = list(sides.items()) if round_ % 2 == 0 else list(sides.items())[::-1]
+    for side, tree in order:
       lines[side] += _run(tree, args)
   report = {"args": args, "rounds": _ROUNDS.value, "baseline": str(sides["baseline"])}
   for slots in sorted({line["slots"] for line in lines["candidate"]}):

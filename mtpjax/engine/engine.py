@@ -62,6 +62,7 @@ class Engine:
     self.bounds = group_bounds(engine_cfg.slots, len(self.layouts))
     self._buckets = {hi - lo: slot_buckets(hi - lo) for lo, hi in self.bounds}
     self.slot_buckets = self._buckets[max(self._buckets)]
+    self._result_like = [_ints(hi - lo, 4) for lo, hi in self.bounds]   # ResultTokens per group
     # Steps take each stage's parameters as a flat list of arrays: flattening an nnx.State
     # (Python callbacks per Variable) on every call costs a few hundred microseconds a step.
     self._graphdefs = [None if w is None else w[0] for w in stage_weights]
@@ -158,7 +159,7 @@ class Engine:
     """Run a prompt; the bucket leaves one row for the first sampled token's MTP row.
     `logprobs`: the prefix carries the first token's (needs `engine_cfg.logprobs`)."""
     tokens, length = self.engine_cfg.padded_prompt(prompt)
-    extra = (tokens, np.int32(length), sampler_arrays(sampler.validate()), np.bool_(logprobs))
+    extra = (tokens, np.int32(length), sampler_arrays(sampler.validate()), self._want(logprobs))
     kv = [None] * len(self.layouts)
     x, head, logprobs, t = tokens, None, None, tokens.shape[1]
     for s in range(len(self.layouts)):
@@ -278,7 +279,7 @@ class Engine:
     the next drafting step first catches the MTP KV up (`catch_up`). `logprobs`: some live
     request wants the committed rows' logprobs.
     """
-    want = np.bool_(logprobs)
+    want = self._want(logprobs)
     # Host arrays go to the compiled steps as they are: jit's own transfer is far cheaper than
     # a device_put per argument (a few hundred microseconds a step on a CPU host).
     active = np.asarray(active, bool)
@@ -324,11 +325,16 @@ class Engine:
     if kind == "plain":
       state.mtp_lag = [lag + active[lo:hi] for lag, (lo, hi) in zip(state.mtp_lag, self.bounds)]
     shared = [self.hops.share(_padded(results[i], hi - lo) if results else None, self.last,
-                              like=_ints(hi - lo, 4))
-              for i, (lo, hi) in enumerate(self.bounds)]
+                              like=like) for i, ((lo, hi), like) in
+              enumerate(zip(self.bounds, self._result_like))]
     if logprobs_wanted(self.engine_cfg, logprobs):
       info["logprobs"] = self._shared_logprobs(logprobs, self.bounds, tokens)
     return state, np.concatenate([np.asarray(r) for r in shared]), info
+
+  def _want(self, logprobs: bool):
+    """The traced flag a prefill or step takes: whether to compute logprobs (None, so nothing
+    is transferred, on an engine that computes none)."""
+    return np.bool_(logprobs) if self.engine_cfg.logprobs else None
 
   def _shared_logprobs(self, per_group: list, bounds, rows: int):
     """Each group's committed-row logprobs, padded to its slots, joined and readable on every
