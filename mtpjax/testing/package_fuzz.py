@@ -16,6 +16,7 @@ the mutation itself could not be made.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import multiprocessing
 import multiprocessing.connection
@@ -124,7 +125,12 @@ def _child(conn, source: pathlib.Path, work: pathlib.Path, seed: int, memory_byt
   except MemoryError as error:
     conn.send(("memory", "", repr(error)))
   except errors.MtpjaxError as error:
-    conn.send(("refused", "", f"{type(error).__name__}: {error}"[:300]))
+    # A typed error raised while handling an allocation failure (a MemoryError, or an mmap
+    # refused with ENOMEM under the limit) is still that failure.
+    cause = error.__cause__ or error.__context__
+    memory = isinstance(cause, MemoryError) or (isinstance(cause, OSError)
+                                                and cause.errno == errno.ENOMEM)
+    conn.send(("memory" if memory else "refused", "", f"{type(error).__name__}: {error}"[:300]))
   except BaseException as error:  # anything else is what the fuzzer hunts
     conn.send(("untyped", "", "".join(traceback.format_exception(error))[-1500:]))
   else:
