@@ -79,6 +79,21 @@ class LogprobsTest(parameterized.TestCase):
                                [e.logprob for e in solo.logprobs], atol=2e-5)
     self.assertIsNone(without.logprobs)
 
+  def test_an_engine_returns_logprobs_only_when_asked(self):
+    """A logprobs-capable engine hands back (and copies to the host) no logprobs from a prefill
+    or step nobody asked them of; asked, it does, row for row."""
+    engine = self.model.engine(native_mtp=False, slots=2, max_len=128,
+                               logprobs=MAX_TOP_LOGPROBS)
+    state = engine.init_state()
+    for asked in (False, True):
+      prefix = engine.prefill(self.prompt, SamplerParams(), logprobs=asked)
+      state = engine.insert(prefix, state, 0)
+      state, _, info = engine.step(state, np.array([True, False]), logprobs=asked)
+      self.assertEqual(prefix.logprobs is not None, asked)
+      self.assertEqual("logprobs" in info, asked)
+    chosen, top_ids, top_lps = info["logprobs"]
+    self.assertEqual((chosen.shape, top_ids.shape), ((2, 1), (2, 1, MAX_TOP_LOGPROBS)))
+
   def test_without_logprobs_the_result_has_none(self):
     result = self.model.generate(self.prompt, max_new_tokens=4)
     self.assertIsNone(result.logprobs)

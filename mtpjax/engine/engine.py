@@ -159,9 +159,10 @@ class Engine:
     """Run a prompt; the bucket leaves one row for the first sampled token's MTP row.
     `logprobs`: the prefix carries the first token's (needs `engine_cfg.logprobs`)."""
     tokens, length = self.engine_cfg.padded_prompt(prompt)
-    extra = (tokens, np.int32(length), sampler_arrays(sampler.validate()), self._want(logprobs))
+    extra = (tokens, np.int32(length), sampler_arrays(sampler.validate()),
+             self._traced_flag(logprobs))
     kv = [None] * len(self.layouts)
-    x, head, logprobs, t = tokens, None, None, tokens.shape[1]
+    x, head, rows, t = tokens, None, None, tokens.shape[1]
     for s in range(len(self.layouts)):
       if s > 0:
         x = self.hops.move(x, s - 1, s,
@@ -170,19 +171,24 @@ class Engine:
         continue
       out, kv[s] = self._prefill[s](self._leaves[s], x, extra if s == self.last else None)
       if s == self.last:
-        head, logprobs = out
+        head, rows = out
       else:
         x = out
     current = self.hops.share(None if head is None else head.slots.current, self.last,
                               like=_ints(1))
-    shared = (self._shared_logprobs([logprobs] if head is not None else [], [(0, 1)], 1)
-              if logprobs_wanted(self.engine_cfg, logprobs) else None)
+    shared = (self._shared_logprobs([rows] if head is not None else [], [(0, 1)], 1)
+              if self._wants(logprobs) else None)
     return Prefix(kv=kv, head=head, current=current, logprobs=shared)
 
-  def insert(self, prefix: Prefix, state: EngineState, slot: int) -> EngineState:
+  def _group_of(self, slot: int) -> tuple[int, int]:
+    """(the group holding `slot`, its index within the group)."""
     g = next(i for i, (lo, hi) in enumerate(self.bounds) if lo <= slot < hi)
+    return g, slot - self.bounds[g][0]
+
+  def insert(self, prefix: Prefix, state: EngineState, slot: int) -> EngineState:
+    g, local_slot = self._group_of(slot)
     group = state.groups[g]
-    local_slot = np.int32(slot - self.bounds[g][0])
+    local_slot = np.int32(local_slot)
     for s in range(len(self.layouts)):
       if not self.hops.local(s):
         continue
@@ -199,8 +205,8 @@ class Engine:
     """Release a finished slot. Its rows need no clearing (admission rewrites them whole); a
     freed slot owes no catch-up."""
     if state.mtp_lag is not None:
-      g = next(i for i, (lo, hi) in enumerate(self.bounds) if lo <= slot < hi)
-      state.mtp_lag[g][slot - self.bounds[g][0]] = 0
+      g, local_slot = self._group_of(slot)
+      state.mtp_lag[g][local_slot] = 0
     return state
 
   # --- steps --------------------------------------------------------------------------------
@@ -279,7 +285,7 @@ class Engine:
     the next drafting step first catches the MTP KV up (`catch_up`). `logprobs`: some live
     request wants the committed rows' logprobs.
     """
-    want = self._want(logprobs)
+    want = self._traced_flag(logprobs)
     # Host arrays go to the compiled steps as they are: jit's own transfer is far cheaper than
     # a device_put per argument (a few hundred microseconds a step on a CPU host).
     active = np.asarray(active, bool)
@@ -292,7 +298,7 @@ class Engine:
       state = self.catch_up(state, active)
     tokens = 2 if kind == "verify_draft" else 1
     info: dict = {}
-    results, logprobs = [], []
+    results, rows = [], []
     for (lo, hi), group in zip(self.bounds, state.groups):
       live = active[lo:hi]
       k = self.slots_for(live)
@@ -312,35 +318,37 @@ class Engine:
         if s < self.last:
           out, group.kv[s] = self._steps[kind][s](self._leaves[s], out, group.kv[s], None, act,
                                                   None, want)
-        elif kind == "verify_draft" and self.engine_cfg.timing:
-          group.head, result, rows = self._timed_last_stage(group, out, act, draft_mask, want,
-                                                            info)
-          results.append(result)
-          logprobs.append(rows)
+          continue
+        if kind == "verify_draft" and self.engine_cfg.timing:
+          group.head, result, committed = self._timed_last_stage(group, out, act, draft_mask,
+                                                                 want, info)
         else:
-          (group.head, result, rows), group.kv[s] = self._steps[kind][s](
+          (group.head, result, committed), group.kv[s] = self._steps[kind][s](
               self._leaves[s], out, group.kv[s], group.head, act, draft_mask, want)
-          results.append(result)
-          logprobs.append(rows)
+        results.append(result)
+        rows.append(committed)
     if kind == "plain":
       state.mtp_lag = [lag + active[lo:hi] for lag, (lo, hi) in zip(state.mtp_lag, self.bounds)]
     shared = [self.hops.share(_padded(results[i], hi - lo) if results else None, self.last,
                               like=like) for i, ((lo, hi), like) in
               enumerate(zip(self.bounds, self._result_like))]
-    if logprobs_wanted(self.engine_cfg, logprobs):
-      info["logprobs"] = self._shared_logprobs(logprobs, self.bounds, tokens)
+    if self._wants(logprobs):
+      info["logprobs"] = self._shared_logprobs(rows, self.bounds, tokens)
     return state, np.concatenate([np.asarray(r) for r in shared]), info
 
-  def _want(self, logprobs: bool):
+  def _wants(self, logprobs: bool) -> bool:
+    """Whether a prefill or step returns logprobs: asked for, of an engine that computes them.
+    Every process decides it alike, so the shares below stay in step across hosts."""
+    return bool(logprobs) and self.engine_cfg.logprobs > 0
+
+  def _traced_flag(self, logprobs: bool):
     """The traced flag a prefill or step takes: whether to compute logprobs (None, so nothing
     is transferred, on an engine that computes none)."""
     return np.bool_(logprobs) if self.engine_cfg.logprobs else None
 
   def _shared_logprobs(self, per_group: list, bounds, rows: int):
     """Each group's committed-row logprobs, padded to its slots, joined and readable on every
-    process: (chosen [B, R], top ids [B, R, n], top logprobs [B, R, n]); None without them."""
-    if not self.engine_cfg.logprobs:
-      return None
+    process: (chosen [B, R], top ids [B, R, n], top logprobs [B, R, n])."""
     n = self.engine_cfg.logprobs
     joined = []
     for i, (lo, hi) in enumerate(bounds):
@@ -366,11 +374,6 @@ class Engine:
                           ("proposal_compute_us", end - mid)):
       timings[name] = timings.get(name, 0) + int(seconds * 1e6)
     return head, result, logprobs
-
-
-def logprobs_wanted(engine_cfg: EngineConfig, asked: bool) -> bool:
-  """Whether a prefill or step returns logprobs: asked for, on an engine that computes them."""
-  return bool(asked) and engine_cfg.logprobs > 0
 
 
 def _padded(result, slots: int) -> np.ndarray:

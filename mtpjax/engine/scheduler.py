@@ -314,11 +314,9 @@ class SlotScheduler:
     started = time.perf_counter()
     # Logprobs cost a step something only while a live request asks for them.
     wants = any(s is not None and s.request.logprobs for s in self.slots)
-    if self.native_mtp:
-      self.state, result, info = self.engine.step(
-          self.state, active, active if drafted else np.zeros_like(active), logprobs=wants)
-    else:
-      self.state, result, info = self.engine.step(self.state, active, logprobs=wants)
+    # Without native MTP `drafted` is False and the engine ignores the drafting mask.
+    self.state, result, info = self.engine.step(
+        self.state, active, active if drafted else np.zeros_like(active), logprobs=wants)
     for index, (live, row) in enumerate(zip(self.slots, result.tolist())):
       if live is None:
         continue
