@@ -25,9 +25,9 @@ _MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conte
              {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}]
 
 
-def _demo_template() -> ChatTemplate:
+def _demo_metadata() -> dict:
   with open_source(embedded.DEMO_PACKAGE) as source:
-    return ChatTemplate.from_metadata(dict(source.metadata))
+    return dict(source.metadata)
 
 
 class TemplateBudgetTest(parameterized.TestCase):
@@ -58,7 +58,7 @@ class TemplateBudgetTest(parameterized.TestCase):
        "{% endmacro %}{{ f(40) }}"),
   )
   def test_hostile_template_stops_within_its_budget(self, source):
-    template = BudgetedChatTemplate(ChatTemplate(source), _BUDGET)
+    template = BudgetedChatTemplate(source, budget=_BUDGET)
     started = time.perf_counter()
     with self.assertRaises(errors.ConversionError) as raised:
       template.render(_MESSAGES, add_generation_prompt=True)
@@ -76,19 +76,31 @@ class TemplateBudgetTest(parameterized.TestCase):
        "{% if add_generation_prompt %}<|assistant|>{% endif %}"),
   )
   def test_benign_template_renders_as_the_stock_renderer(self, source):
-    stock = _demo_template() if source == "demo" else ChatTemplate(source)
-    budgeted = BudgetedChatTemplate(stock, _BUDGET)
+    if source == "demo":
+      stock = ChatTemplate.from_metadata(_demo_metadata())
+      budgeted = BudgetedChatTemplate.from_metadata(_demo_metadata(), budget=_BUDGET)
+    else:
+      stock, budgeted = ChatTemplate(source), BudgetedChatTemplate(source, budget=_BUDGET)
     for messages in (_MESSAGES, _MESSAGES[1:2], []):
       for prompt in (True, False):
         self.assertEqual(budgeted.render(messages, add_generation_prompt=prompt),
                          stock.render(messages, add_generation_prompt=prompt))
 
+  def test_a_constant_expression_does_not_hang_the_compile(self):
+    """jinja's code generator folds constant output expressions while compiling; the stock
+    template would evaluate this one at start-up, before any render budget."""
+    started = time.perf_counter()
+    template = BudgetedChatTemplate("{{ 10 ** 1000000000 }}", budget=_BUDGET)
+    self.assertLess(time.perf_counter() - started, 5.0)
+    with self.assertRaises(errors.ConversionError) as raised:
+      template.render(_MESSAGES)
+    self.assertIsInstance(raised.exception.__cause__, TemplateBudgetExceeded)
+
   def test_template_errors_keep_their_meaning(self):
-    template = BudgetedChatTemplate(ChatTemplate(
-        "{{ raise_exception('no system role') }}"), _BUDGET)
+    template = BudgetedChatTemplate("{{ raise_exception('no system role') }}", budget=_BUDGET)
     with self.assertRaisesRegex(errors.ConversionError, "no system role"):
       template.render(_MESSAGES)
-    unsafe = BudgetedChatTemplate(ChatTemplate("{{ messages.__class__ }}"), _BUDGET)
+    unsafe = BudgetedChatTemplate("{{ messages.__class__ }}", budget=_BUDGET)
     with self.assertRaisesRegex(errors.ConversionError, "unsafe"):
       unsafe.render(_MESSAGES)
 

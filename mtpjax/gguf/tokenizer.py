@@ -307,17 +307,29 @@ class ChatTemplate:
     self.bos_token = bos_token
     self.eos_token = eos_token
     self.path = path
-    env = ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.globals["raise_exception"] = _raise_exception
-    env.filters["tojson"] = _tojson
     try:
-      self._template = env.from_string(self.source)
+      self._template = self._compile(self.source)
     except jinja2.TemplateError as e:
       raise self._error(f"chat template does not compile: {e}") from e
 
+  @staticmethod
+  def environment(sandbox: type[ChatSandbox] = ChatSandbox, **options: Any) -> jinja2.Environment:
+    """The sandbox HF-style templates render in, with the globals and filters they use."""
+    env = sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
+                  **options)
+    env.globals["raise_exception"] = _raise_exception
+    env.filters["tojson"] = _tojson
+    return env
+
+  def _compile(self, source: str):
+    """The compiled template (`server/template_budget.py` compiles it under a budget)."""
+    return self.environment().from_string(source)
+
   @classmethod
-  def from_metadata(cls, metadata: Mapping[str, Any], *, path: str | None = None) -> ChatTemplate:
-    """The GGUF's template (or the GLM default) with its bos/eos token strings."""
+  def from_metadata(cls, metadata: Mapping[str, Any], *, path: str | None = None,
+                    **options: Any) -> ChatTemplate:
+    """The GGUF's template (or the GLM default) with its bos/eos token strings; `options` go
+    to the constructor (a subclass's own, e.g. a budget)."""
     tokens = metadata.get(TOKENS_KEY, ())
     tokens = tokens if isinstance(tokens, list) else ()
 
@@ -330,7 +342,8 @@ class ChatTemplate:
       raise ConversionError(f"{CHAT_TEMPLATE_KEY} is a {type(source).__name__}, not a string",
                             path=path, field=CHAT_TEMPLATE_KEY,
                             remedy="store the chat template as a GGUF string, or remove it")
-    return cls(source, bos_token=token_text("bos"), eos_token=token_text("eos"), path=path)
+    return cls(source, bos_token=token_text("bos"), eos_token=token_text("eos"), path=path,
+               **options)
 
   def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False,
              tools: Sequence[Mapping[str, Any]] | None = None, **template_vars: Any) -> str:

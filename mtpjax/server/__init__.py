@@ -20,7 +20,7 @@ from mtpjax import distributed, embedded, errors, speculative
 from mtpjax.engine.contract import warm_up
 from mtpjax.engine.sampling import MAX_TOP_LOGPROBS
 from mtpjax.engine.scheduler import AdaptiveDrafting, SlotScheduler
-from mtpjax.gguf.tokenizer import ChatTemplate, GgufTokenizer
+from mtpjax.gguf.tokenizer import GgufTokenizer
 from mtpjax.server.admission import Admission
 from mtpjax.server.app import SamplingDefaults, Service, create_app
 from mtpjax.server.limits import ServerLimits
@@ -85,9 +85,9 @@ def build_service(config) -> Service:
                         max_len=settings.max_len, prefill_buckets=settings.prefill_buckets,
                         timing=settings.timing, logprobs=int(engine_cfg.logprobs))
   tokenizer = GgufTokenizer.from_metadata(model.metadata, path=source)
-  chat_template = BudgetedChatTemplate(
-      ChatTemplate.from_metadata(model.metadata, path=source),
-      TemplateBudget(seconds=limits.template_timeout_s, max_chars=limits.template_max_chars))
+  chat_template = BudgetedChatTemplate.from_metadata(
+      model.metadata, path=source,
+      budget=TemplateBudget(seconds=limits.template_timeout_s, max_chars=limits.template_max_chars))
 
   scheduler = SlotScheduler(engine, adaptive=drafting_policy)
   warm_s = _warm_up(scheduler)
@@ -103,7 +103,7 @@ def build_service(config) -> Service:
                               max_new_tokens=int(sampling.max_new_tokens))
   worker.start()
   return Service(model_name=model_name, settings=settings, resolution=resolution,
-                 tokenizer=tokenizer, chat_template=chat_template, worker=worker,
+                 tokenizer=tokenizer, worker=worker,
                  metrics=metrics, defaults=defaults, max_prompt_tokens=max_prompt,
                  top_logprobs=engine.engine_cfg.logprobs,
                  seeds=random.Random(config.engine.seed), limits=limits,

@@ -26,7 +26,7 @@ from starlette.middleware.cors import CORSMiddleware
 from mtpjax import errors
 from mtpjax.engine.scheduler import Request
 from mtpjax.engine.sampling import SamplerParams
-from mtpjax.gguf.tokenizer import ChatTemplate, GgufTokenizer
+from mtpjax.gguf.tokenizer import GgufTokenizer
 from mtpjax.runtime_options import GenerationSettings
 from mtpjax.server import logprobs as logprob_format
 from mtpjax.server import reasoning, schemas, tool_calls
@@ -57,7 +57,6 @@ class Service:
   settings: GenerationSettings
   resolution: SpeculativeResolution
   tokenizer: GgufTokenizer
-  chat_template: ChatTemplate
   worker: EngineWorker
   metrics: ServerMetrics
   defaults: SamplingDefaults

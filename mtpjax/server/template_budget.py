@@ -216,19 +216,21 @@ class _MeteredTemplate:
 
 
 class BudgetedChatTemplate(ChatTemplate):
-  """A `ChatTemplate` whose every render runs under `budget`; errors map as the parent's."""
+  """A `ChatTemplate` compiled metered and rendered under `budget`; errors map as the parent's.
 
-  def __init__(self, template: ChatTemplate, budget: TemplateBudget):
-    super().__init__(template.source, bos_token=template.bos_token,
-                     eos_token=template.eos_token, path=template.path)
-    stock = self._template.environment
-    env = _BudgetSandbox(trim_blocks=stock.trim_blocks, lstrip_blocks=stock.lstrip_blocks,
-                         extensions=[type(e) for e in stock.extensions.values()],
-                         optimized=False)     # nothing is evaluated at compile time
-    env.globals.update(stock.globals, **{_LOOP: _metered_loop, _CONCAT: _metered_concat})
-    env.filters.update(stock.filters)
+  The stock compile never runs: jinja's code generator evaluates constant output expressions
+  while compiling, so `{{ 10 ** 1000000000 }}` in a package would hang start-up before any
+  render budget applied. Here the tree is metered before it compiles.
+  """
+
+  def __init__(self, source: str | None = None, *, budget: TemplateBudget, **kwargs: Any):
+    self.budget = budget
+    super().__init__(source, **kwargs)
+
+  def _compile(self, source: str) -> _MeteredTemplate:
+    env = self.environment(_BudgetSandbox, optimized=False)   # nothing evaluated at compile time
+    env.globals.update({_LOOP: _metered_loop, _CONCAT: _metered_concat})
     env.filters.update({name: _budgeted_filter(env.filters[name], check)
                         for name, check in _FILTER_CHECKS.items()})
-    tree = _MeterRewriter(env).visit(env.parse(self.source))
-    self._template = _MeteredTemplate(env.from_string(tree), budget)
-    self.budget = budget
+    tree = _MeterRewriter(env).visit(env.parse(source))
+    return _MeteredTemplate(env.from_string(tree), self.budget)
