@@ -31,7 +31,7 @@ from mtpjax.engine.plan import PipelinePlan, make_hops, pipeline_mesh, plan_pipe
     selection_like
 from mtpjax.engine.sampling import MAX_TOP_LOGPROBS, SamplerParams
 from mtpjax.engine.scheduler import AdaptiveDrafting, Request, Result, SlotScheduler
-from mtpjax.engine.steps import fresh_forward
+from mtpjax.engine.steps import fresh_forward, fresh_mtp_hidden
 from mtpjax.models import registry
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.interface import StageLayout, previous_hidden
@@ -161,10 +161,7 @@ class Model:
   def _jit_mtp(self):
     def run(graphdef, state, tokens, prev_hidden):
       model = nnx.merge(graphdef, state)
-      positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-      mtp_kv = registry.init_cache(self.config, 1, 1, tokens.shape[1], model.dtype)[0]
-      z, _ = model.mtp_hidden(tokens, prev_hidden, positions, mtp_kv)
-      return model.mtp_logits(z)
+      return model.mtp_logits(fresh_mtp_hidden(model, tokens, prev_hidden))
     return jax.jit(run, static_argnums=0)
 
   def _padded(self, token_ids) -> tuple[np.ndarray, int]:

@@ -32,7 +32,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from mtpjax import loading
 from mtpjax.gguf.tokenizer import GgufTokenizer, glm_pre_tokenizer
 from mtpjax.models.config import ModelConfig
-from mtpjax.engine.steps import fresh_forward
+from mtpjax.engine.steps import fresh_forward, fresh_mtp_hidden
 from mtpjax.models import registry
 from mtpjax.models.interface import StageLayout, previous_hidden
 from mtpjax.package.writer import split_gguf
@@ -119,14 +119,9 @@ def init_params(cfg: ModelConfig, layout: StageLayout, seed: int):
 def losses(graphdef, state, tokens, mtp_weight):
   """(total, (trunk CE, MTP CE, MTP/trunk argmax agreement)) over a [B, T] batch."""
   model = nnx.merge(graphdef, state)
-  b, t = tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  hidden, _, _ = fresh_forward(model, tokens, t)
+  hidden, _, _ = fresh_forward(model, tokens, tokens.shape[1])
   trunk_logits = model.lm_logits(hidden)[:, :-1]
-  prev = previous_hidden(hidden)
-  mtp_kv = registry.init_cache(model.cfg, 1, b, t, jnp.float32)[0]
-  z, _ = model.mtp_hidden(tokens, prev, positions, mtp_kv)
-  mtp_logits = model.mtp_logits(z)[:, :-1]
+  mtp_logits = model.mtp_logits(fresh_mtp_hidden(model, tokens, previous_hidden(hidden)))[:, :-1]
   targets = tokens[:, 1:]
   ce_trunk = optax.softmax_cross_entropy_with_integer_labels(trunk_logits, targets).mean()
   ce_mtp = optax.softmax_cross_entropy_with_integer_labels(mtp_logits, targets).mean()

@@ -56,15 +56,26 @@ def step_inputs(current, draft, pos, *, verify: bool) -> tuple[jax.Array, jax.Ar
   return tokens, pos[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
 
 
+def _sequence_positions(batch: int, length: int) -> jax.Array:
+  return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (batch, length))
+
+
 def fresh_forward(model: CausalLM, inp, cache_len: int) -> tuple[jax.Array, list, jax.Array | None]:
   """One stage's pass over whole sequences from position 0 on empty caches of `cache_len` rows
   (a prompt's prefill, or a full-sequence check); `inp` as `interface.stage_forward` takes it."""
   layout = model.layout
   batch, length = (inp if layout.embeddings else inp[0]).shape[:2]
-  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (batch, length))
   kv = registry.init_cache(model.cfg, layout.layer_end - layout.layer_start, batch, cache_len,
                            model.dtype)
-  return stage_forward(model, inp, positions, kv)
+  return stage_forward(model, inp, _sequence_positions(batch, length), kv)
+
+
+def fresh_mtp_hidden(model: CausalLM, tokens, prev_hidden) -> jax.Array:
+  """The NextN block over whole sequences [B, T] from position 0 on an empty cache (rows as
+  `interface.previous_hidden` pairs them); its normed output z."""
+  batch, length = tokens.shape
+  mtp_kv = registry.init_cache(model.cfg, 1, batch, length, model.dtype)[0]
+  return model.mtp_hidden(tokens, prev_hidden, _sequence_positions(batch, length), mtp_kv)[0]
 
 
 def committed_logprobs(logits, tokens, top_n: int, want):
