@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import pathlib
+import shutil
 import tempfile
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -115,6 +116,14 @@ def write_gguf(path: str | pathlib.Path, tensors: Mapping[str, np.ndarray], *,
   writer.write_tensors_to_file()
   writer.close()
   return writer.format_shard_names(path)
+
+
+def package_copy(test: Any, package: pathlib.Path) -> pathlib.Path:
+  """A writable copy of `package` (a folder), removed when the test ends: hostile edits go to
+  the copy, never the shipped files."""
+  root = temporary_directory(test) / "pkg"
+  shutil.copytree(package, root)
+  return root
 
 
 def temporary_directory(test: Any) -> pathlib.Path:

@@ -7,14 +7,13 @@ import math
 import os
 import pathlib
 import resource
-import shutil
 import struct
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import gguf
+import package_examples as examples
 from absl.testing import absltest, parameterized
 
 import mtpjax
@@ -43,9 +42,7 @@ class _PackageCopy(parameterized.TestCase):
 
   def setUp(self):
     super().setUp()
-    self.root = pathlib.Path(tempfile.mkdtemp(prefix="mtpjax-hostile-")) / "pkg"
-    self.addCleanup(shutil.rmtree, self.root.parent, True)
-    shutil.copytree(DEMO, self.root)
+    self.root = examples.package_copy(self, DEMO)
 
 
 class GgufHeaderTest(_PackageCopy):

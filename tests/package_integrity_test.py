@@ -6,10 +6,9 @@ checks under test are compared with an independent reader.
 """
 
 import pathlib
-import shutil
-import tempfile
 
 import gguf
+import package_examples as examples
 from absl.testing import absltest
 
 import mtpjax
@@ -35,9 +34,7 @@ class IntegrityOnLoadTest(absltest.TestCase):
 
   def setUp(self):
     super().setUp()
-    self.root = pathlib.Path(tempfile.mkdtemp(prefix="mtpjax-integrity-")) / "pkg"
-    self.addCleanup(shutil.rmtree, self.root.parent, True)
-    shutil.copytree(DEMO, self.root)
+    self.root = examples.package_copy(self, DEMO)
     self.layer = self.root / LAYER
 
   def test_pristine_package_reads(self):
