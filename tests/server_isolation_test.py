@@ -29,7 +29,8 @@ from server_test import MODEL, metric
 HANG_TEMPLATE = ("{% if hang %}{% for i in range(100000) %}{% for j in range(100000) %}"
                  "{% endfor %}{% endfor %}{% endif %}" + tiny_glm.CHAT_TEMPLATE)
 _SLOTS = 4
-_MAX_QUEUE = 8
+_MAX_QUEUE = 64
+_STREAMS = 64
 _MAX_LEN = 2048
 # The acceptance asks for 100 ms; tests on a shared 2-core machine use a generous bound.
 _HEALTH_BOUND_S = 1.0
@@ -78,7 +79,7 @@ def _stream_text(url: str, body: dict) -> tuple[str, str | None, list[str]]:
 
 
 class IsolationTest(parameterized.TestCase):
-  """One server (4 slots, a queue of 8, max_len 2048) receiving hostile requests."""
+  """One server (4 slots, a queue of 64, max_len 2048) receiving hostile requests."""
 
   @classmethod
   def setUpClass(cls):
@@ -114,8 +115,8 @@ class IsolationTest(parameterized.TestCase):
     return time.monotonic() - started
 
   def test_hostile_requests_fail_alone_while_streams_finish(self):
-    prompts = [f"The router computes {i}" for i in range(8)]
-    bodies = [{"model": MODEL, "prompt": p, "max_tokens": 48} for p in prompts]
+    prompts = [f"The router computes {i}" for i in range(_STREAMS)]
+    bodies = [{"model": MODEL, "prompt": p, "max_tokens": 24} for p in prompts]
     alone = [self.http.post("/v1/completions", json=b).json()["choices"][0] for b in bodies]
     big = json.dumps({"model": MODEL, "messages": [
         {"role": "user", "content": "a" * 10_000_000}]}).encode()
