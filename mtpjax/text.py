@@ -11,21 +11,27 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 from mtpjax.engine.scheduler import Result, TokenLogprob
-from mtpjax.gguf.tokenizer import ChatTemplate, GgufTokenizer
+from mtpjax.gguf.template_budget import BudgetedChatTemplate, TemplateBudget
+from mtpjax.gguf.tokenizer import GgufTokenizer
 from mtpjax.telemetry import MtpStats
 
 Messages = Sequence[Mapping[str, Any]]
 
 
 class Tokenizer(GgufTokenizer):
-  """A model's tokenizer (encode, decode) with its chat template, both from GGUF metadata."""
+  """A model's tokenizer (encode, decode) with its chat template, both from GGUF metadata.
 
-  chat_template: ChatTemplate
+  The package's template is untrusted code: it compiles and renders under the server's
+  default budget, so a hostile one raises a typed error instead of hanging the caller.
+  """
+
+  chat_template: BudgetedChatTemplate
 
   @classmethod
   def from_metadata(cls, metadata: Mapping[str, Any], *, path: str | None = None) -> Tokenizer:
     tokenizer = super().from_metadata(metadata, path=path)
-    tokenizer.chat_template = ChatTemplate.from_metadata(metadata, path=path)
+    tokenizer.chat_template = BudgetedChatTemplate.from_metadata(metadata, path=path,
+                                                                 budget=TemplateBudget())
     return tokenizer
 
   def apply_chat_template(self, messages: Messages, *, add_generation_prompt: bool = True,

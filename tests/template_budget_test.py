@@ -17,7 +17,7 @@ from absl.testing import absltest, parameterized
 from mtpjax import embedded, errors
 from mtpjax.gguf.tokenizer import ChatTemplate
 from mtpjax.package.reader import open_source
-from mtpjax.server.template_budget import (BudgetedChatTemplate, TemplateBudget,
+from mtpjax.gguf.template_budget import (BudgetedChatTemplate, TemplateBudget,
                                            TemplateBudgetExceeded)
 
 _BUDGET = TemplateBudget(seconds=0.3, max_chars=100_000)

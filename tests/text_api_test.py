@@ -7,8 +7,9 @@ and chat template (`GgufTokenizer` / `ChatTemplate.from_metadata`) around the to
 from absl.testing import absltest
 
 import mtpjax
-from mtpjax import embedded
-from mtpjax.gguf.tokenizer import ChatTemplate, GgufTokenizer
+from mtpjax import embedded, errors, text
+from mtpjax.gguf.template_budget import TemplateBudgetExceeded
+from mtpjax.gguf.tokenizer import CHAT_TEMPLATE_KEY, ChatTemplate, GgufTokenizer
 
 
 class TextApiTest(absltest.TestCase):
@@ -55,6 +56,18 @@ class TextApiTest(absltest.TestCase):
         [t for t in expected.tokens if t not in self.reference_tokenizer.stop_ids],
         skip_special=True))
     self.assertEqual(self.model.generate_text(messages, max_new_tokens=12).text, reply.text)
+
+  def test_a_hostile_package_template_raises_instead_of_hanging(self):
+    """The package's template is untrusted: a constant expression jinja would fold while
+    compiling, or an unbounded loop, gives a typed error under the default budget."""
+    for source in ("{{ 10 ** 1000000000 }}",
+                   "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                   "{% endfor %}"):
+      tokenizer = text.Tokenizer.from_metadata({**self.model.metadata,
+                                                CHAT_TEMPLATE_KEY: source})
+      with self.assertRaises(errors.ConversionError) as raised:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+      self.assertIsInstance(raised.exception.__cause__, TemplateBudgetExceeded, source)
 
 
 if __name__ == "__main__":

@@ -322,7 +322,7 @@ class ChatTemplate:
     return env
 
   def _compile(self, source: str):
-    """The compiled template (`server/template_budget.py` compiles it under a budget)."""
+    """The compiled template (`gguf/template_budget.py` compiles it under a budget)."""
     return self.environment().from_string(source)
 
   @classmethod

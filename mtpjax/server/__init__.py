@@ -26,7 +26,7 @@ from mtpjax.server.app import SamplingDefaults, Service, create_app
 from mtpjax.server.limits import ServerLimits
 from mtpjax.server.metrics import ServerMetrics
 from mtpjax.server.prompts import PromptBuilder
-from mtpjax.server.template_budget import BudgetedChatTemplate, TemplateBudget
+from mtpjax.gguf.template_budget import BudgetedChatTemplate, TemplateBudget
 from mtpjax.server.worker import EngineWorker
 
 __all__ = ["Service", "build_service", "create_app", "serve"]

@@ -37,7 +37,7 @@ from mtpjax.server.limits import ServerLimits
 from mtpjax.server.metrics import CONTENT_TYPE, ServerMetrics
 from mtpjax.server.prompts import PromptBuilder
 from mtpjax.server.schemas import ApiError
-from mtpjax.server.template_budget import TemplateBudgetExceeded
+from mtpjax.gguf.template_budget import TemplateBudgetExceeded
 from mtpjax.server.worker import EngineFailure, EngineWorker, Finished, Generation, LogprobBatch
 from mtpjax.speculative import SpeculativeResolution
 

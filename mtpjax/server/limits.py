@@ -11,6 +11,7 @@ import math
 import os
 
 from mtpjax import errors
+from mtpjax.gguf.template_budget import TemplateBudget
 
 API_KEY_ENV = "MTPJAX_API_KEY"
 
@@ -22,8 +23,8 @@ class ServerLimits:
   max_queue: int = 256
   request_timeout_s: float = 600.0
   shutdown_timeout_s: float = 10.0
-  template_timeout_s: float = 1.0
-  template_max_chars: int = 4 * 2**20
+  template_timeout_s: float = TemplateBudget.seconds
+  template_max_chars: int = TemplateBudget.max_chars
   api_key: str | None = None
   cors_origins: tuple[str, ...] = ()
 

@@ -4,7 +4,7 @@ Both can take long on hostile input (a huge message, a template that loops), and
 loop must keep answering /health and streaming tokens meanwhile. They run on a small thread
 pool; tokenization goes through `encode_batch`, which releases the GIL while the Rust tokenizer
 works (plain `encode` holds it: a 1 MB prompt stalled every other thread for ~0.6 s), and
-templates render under their budget (`template_budget`).
+templates render under their budget (`gguf/template_budget`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import concurrent.futures
 from typing import Any, Mapping, Sequence
 
 from mtpjax.gguf.tokenizer import GgufTokenizer
-from mtpjax.server.template_budget import BudgetedChatTemplate
+from mtpjax.gguf.template_budget import BudgetedChatTemplate
 
 
 class PromptBuilder:

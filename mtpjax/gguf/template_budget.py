@@ -1,6 +1,6 @@
 """Chat templates rendered under a time and an output-size budget.
 
-A package's chat template is untrusted code: the sandbox (`mtpjax.gguf.tokenizer`) stops
+A package's chat template is untrusted code, for the server and the text API alike: the sandbox (`mtpjax.gguf.tokenizer`) stops
 escapes but not work, and a render running in a thread cannot be killed. So the budget is
 enforced inside the render: every loop iteration, call, `~` concatenation, sequence `+`/`*`,
 `**`, padding format (`%`, `str.format`, `center`, `indent`, `format`) and output chunk
@@ -40,8 +40,10 @@ class TemplateBudgetExceeded(jinja2.TemplateError):
 
 @dataclasses.dataclass(frozen=True)
 class TemplateBudget:
-  seconds: float           # server.template_timeout_s
-  max_chars: int           # server.template_max_chars
+  """A render's limits; the defaults are the server's (`server.template_timeout_s`,
+  `server.template_max_chars`) and what `model.tokenizer` renders under."""
+  seconds: float = 1.0
+  max_chars: int = 4 * 2**20
 
 
 class _Meter:
