@@ -6,12 +6,10 @@ replaced; expected values are written out by hand from the JSON.
 """
 
 import copy
-import json
 
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from mtpjax import errors
 import package_examples as examples
 from mtpjax.package import manifest as manifest_lib
 from mtpjax.package.manifest import ExtensionPolicy, Proposer, Strategy, WindowPolicy
@@ -267,14 +265,7 @@ class NewerEraTest(parameterized.TestCase):
   def test_error_rule(self, mutate, code, message):
     manifest = _manifest()
     mutate(manifest)
-    found = manifest_lib.manifest_issues(manifest)
-    matching = [item for item in found if item["code"] == code]
-    self.assertNotEmpty(matching, f"{code} not in {found}")
-    self.assertTrue(any(message in item["message"] for item in matching), matching)
-    self.assertTrue(all(item["severity"] == "error" and item["remediation"] for item in matching))
-    with self.assertRaises(errors.ManifestError) as raised:
-      manifest_lib.parse_manifest(json.dumps(manifest).encode(), path="pkg/model-package.json")
-    self.assertIn(code, [item["code"] for item in raised.exception.issues])
+    examples.assert_error_rule(self, manifest, code, message)
 
   @parameterized.named_parameters(*_VALID_EDGES)
   def test_edges_stay_valid(self, mutate):

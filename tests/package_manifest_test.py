@@ -1,7 +1,6 @@
 """Manifest v1 validation: the rules and issue codes of LAYER_PACKAGES.md §2, §5; the §9 example."""
 
 import hashlib
-import json
 import os
 import re
 
@@ -252,15 +251,7 @@ class RuleTest(parameterized.TestCase):
   def test_error_rule(self, mutate, code, message):
     manifest = examples.example_manifest()
     mutate(manifest)
-    found = manifest_lib.manifest_issues(manifest)
-    matching = [item for item in found if item["code"] == code]
-    self.assertNotEmpty(matching, f"{code} not in {found}")
-    self.assertTrue(any(message in item["message"] for item in matching), matching)
-    self.assertTrue(all(item["severity"] == "error" and item["remediation"] for item in matching))
-    with self.assertRaises(errors.ManifestError) as raised:
-      manifest_lib.parse_manifest(json.dumps(manifest).encode(), path="pkg/model-package.json")
-    self.assertIn(code, [item["code"] for item in raised.exception.issues])
-    self.assertIn("pkg/model-package.json", str(raised.exception))
+    examples.assert_error_rule(self, manifest, code, message)
 
   @parameterized.parameters(*_UNSAFE_PATHS)
   def test_unsafe_path_is_rejected(self, path):

@@ -97,25 +97,23 @@ def _ngram_issues(name: str, kind: str, proposer: dict) -> list[dict]:
     found.append(issue("invalid_ngram_proposer_max_tokens",
                        f"n-gram proposer {name} max_proposal_tokens must be an integer greater "
                        f"than zero, got {tokens!r}"))
+  if kind == NGRAM_SIMPLE_TYPE:
+    return found
+  label = kind.removeprefix("ngram-")                  # "cache" or "suffix", as in the codes
+  if window_ok and kind == NGRAM_CACHE_TYPE and high > NGRAM_CACHE_MAX_NGRAM:
+    found.append(issue("unsupported_ngram_cache_max_window",
+                       f"n-gram cache proposer {name} has ngram_max {high}, above the "
+                       f"{NGRAM_CACHE_MAX_NGRAM}-token match window an n-gram cache supports"))
+  if (window_ok and kind == NGRAM_SUFFIX_TYPE
+      and not NGRAM_SUFFIX_MIN_NGRAM <= low <= high <= NGRAM_SUFFIX_MAX_NGRAM):
+    found.append(issue("unsupported_ngram_suffix_window",
+                       f"n-gram suffix proposer {name} needs {NGRAM_SUFFIX_MIN_NGRAM} <= "
+                       f"ngram_min <= ngram_max <= {NGRAM_SUFFIX_MAX_NGRAM}, got {low}..{high}"))
   scope = proposer.get("history_scope")
-  if kind == NGRAM_CACHE_TYPE:
-    if window_ok and high > NGRAM_CACHE_MAX_NGRAM:
-      found.append(issue("unsupported_ngram_cache_max_window",
-                         f"n-gram cache proposer {name} has ngram_max {high}, above the "
-                         f"{NGRAM_CACHE_MAX_NGRAM}-token match window an n-gram cache supports"))
-    if scope != REQUEST_HISTORY:
-      found.append(issue("invalid_ngram_cache_history_scope",
-                         f"n-gram cache proposer {name} must set history_scope to "
-                         f"{REQUEST_HISTORY!r}, got {scope!r}"))
-  elif kind == NGRAM_SUFFIX_TYPE:
-    if window_ok and not NGRAM_SUFFIX_MIN_NGRAM <= low <= high <= NGRAM_SUFFIX_MAX_NGRAM:
-      found.append(issue("unsupported_ngram_suffix_window",
-                         f"n-gram suffix proposer {name} needs {NGRAM_SUFFIX_MIN_NGRAM} <= "
-                         f"ngram_min <= ngram_max <= {NGRAM_SUFFIX_MAX_NGRAM}, got {low}..{high}"))
-    if scope != REQUEST_HISTORY:
-      found.append(issue("invalid_ngram_suffix_history_scope",
-                         f"n-gram suffix proposer {name} must set history_scope to "
-                         f"{REQUEST_HISTORY!r}, got {scope!r}"))
+  if scope != REQUEST_HISTORY:
+    found.append(issue(f"invalid_ngram_{label}_history_scope",
+                       f"n-gram {label} proposer {name} must set history_scope to "
+                       f"{REQUEST_HISTORY!r}, got {scope!r}"))
   return found
 
 
@@ -140,14 +138,14 @@ def _proposer_issues(name: str, proposer: object, layer_count: int | None) -> li
   return found
 
 
-def declared_proposer(reference: object, proposers: dict) -> dict | None:
+def _declared_proposer(reference: object, proposers: dict) -> dict | None:
   """The proposer body a strategy field names, or None when it names none."""
   body = proposers.get(reference) if isinstance(reference, str) else None
   return body if isinstance(body, dict) else None
 
 
 def _reference_issues(name: str, field: str, reference: object, proposers: dict) -> list[dict]:
-  if declared_proposer(reference, proposers) is not None:
+  if _declared_proposer(reference, proposers) is not None:
     return []
   return [issue("missing_speculative_proposer",
                 f"speculative strategy {name} {field} names proposer {reference!r}, which "
@@ -161,7 +159,7 @@ def _native_mtp_strategy_issues(name: str, strategy: dict, proposers: dict,
   if reference is None:
     return _native_mtp_issues(f"strategy {name}", strategy.get("prediction_depth"),
                               strategy.get("layer_indices"), layer_count)
-  body = declared_proposer(reference, proposers)
+  body = _declared_proposer(reference, proposers)
   if body is not None and body.get("type") != NATIVE_MTP_TYPE:
     return [issue("native_mtp_strategy_proposer_type_mismatch",
                   f"native MTP strategy {name} names proposer {reference}, whose type is "
@@ -174,7 +172,7 @@ def _ngram_strategy_issues(name: str, kind: str, strategy: dict, proposers: dict
   if reference is None:
     return [issue("missing_ngram_strategy_proposer",
                   f"n-gram strategy {name} must name its proposer")]
-  body = declared_proposer(reference, proposers)
+  body = _declared_proposer(reference, proposers)
   if body is not None and body.get("type") != kind:
     return [issue("ngram_strategy_proposer_type_mismatch",
                   f"n-gram strategy {name} has type {kind}, but its proposer {reference} has "
@@ -197,7 +195,7 @@ def _composite_issues(name: str, strategy: dict, proposers: dict) -> list[dict]:
                          f"composite strategy {name} must declare {field}"))
       continue
     found.extend(_reference_issues(name, field, reference, proposers))
-    body = declared_proposer(reference, proposers)
+    body = _declared_proposer(reference, proposers)
     if body is not None and body.get("type") not in allowed:
       found.append(issue(f"invalid_composite_{field}_type",
                          f"composite strategy {name} {field} {reference} has type "
