@@ -283,6 +283,19 @@ class NewerEraTest(parameterized.TestCase):
         .speculative_decoding.strategies["mtp"]
     self.assertEqual((strategy.prediction_depth, strategy.layer_indices), (1, (2,)))
 
+  def test_fields_a_type_does_not_define_are_not_read(self):
+    baseline = manifest_lib.parse_manifest(_manifest(), path="m.json")
+    manifest = _manifest()
+    _at(manifest, _P + ("simple",)).update(layer_indices=5, prediction_depth="deep")
+    _at(manifest, _P + ("mtp",)).update(ngram_max="big", history_scope=7)
+    _at(manifest, _S + ("ngram-cache",)).update(layer_indices=5, primary=[1])
+    self.assertEqual(_issues(manifest), [])
+    parsed = manifest_lib.parse_manifest(manifest, path="m.json")
+    self.assertEqual(parsed.generation.speculative_decoding.proposers,
+                     baseline.generation.speculative_decoding.proposers)
+    self.assertEqual(parsed.generation.speculative_decoding.strategies,
+                     baseline.generation.speculative_decoding.strategies)
+
   def test_published_example_exceeds_the_cache_window(self):
     """Upstream's design note shows an ngram-cache proposer with ngram_max 6, which upstream's
     own preflight rejects (its n-gram cache matches at most 4 tokens); so do we."""

@@ -438,13 +438,16 @@ def _window_policy(policy: dict | None) -> WindowPolicy | None:
 
 
 def _proposer(name: str, body: dict) -> Proposer:
-  if body["type"] not in generation_rules.PROPOSER_TYPES:
-    return Proposer(name=name, type=body["type"])
+  """A validated proposer; only the fields its type defines are read (the others are unchecked)."""
+  kind = body["type"]
+  if kind == NATIVE_MTP_TYPE:
+    return Proposer(name=name, type=kind, prediction_depth=body["prediction_depth"],
+                    layer_indices=tuple(body["layer_indices"]))
+  if kind not in generation_rules.NGRAM_TYPES:
+    return Proposer(name=name, type=kind)
   scope = body.get("history_scope")
-  return Proposer(name=name, type=body["type"], prediction_depth=body.get("prediction_depth"),
-                  layer_indices=tuple(body.get("layer_indices") or ()),
-                  ngram_min=body.get("ngram_min"), ngram_max=body.get("ngram_max"),
-                  max_proposal_tokens=body.get("max_proposal_tokens"),
+  return Proposer(name=name, type=kind, ngram_min=body["ngram_min"], ngram_max=body["ngram_max"],
+                  max_proposal_tokens=body["max_proposal_tokens"],
                   history_scope=scope if isinstance(scope, str) else None)
 
 
@@ -453,15 +456,18 @@ def _strategy(name: str, body: dict, proposers: dict[str, Proposer]) -> Strategy
   kind = body["type"]
   if kind not in generation_rules.STRATEGY_TYPES:
     return Strategy(name=name, type=kind)
-  depth, layers = body.get("prediction_depth"), tuple(body.get("layer_indices") or ())
-  source = body.get("primary") if kind == generation_rules.COMPOSITE_TYPE else body.get("proposer")
+  composite = kind == generation_rules.COMPOSITE_TYPE
+  source = body["primary"] if composite else body.get("proposer")
   if source is not None:
     depth, layers = proposers[source].prediction_depth, proposers[source].layer_indices
+  else:                                   # only native-mtp strategies are valid without one
+    depth, layers = body["prediction_depth"], tuple(body["layer_indices"])
   extension = body.get("extension_policy")
   return Strategy(
       name=name, type=kind, prediction_depth=depth, layer_indices=layers,
       window_policy=_window_policy(body.get("window_policy")), proposer=body.get("proposer"),
-      primary=body.get("primary"), extender=body.get("extender"),
+      primary=body["primary"] if composite else None,
+      extender=body["extender"] if composite else None,
       extension_policy=None if extension is None else ExtensionPolicy(
           max_tokens=extension["max_tokens"], initial_tokens=extension.get("initial_tokens"),
           tail_backoff_proposals=extension.get("tail_backoff_proposals")))
