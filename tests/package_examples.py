@@ -18,6 +18,8 @@ from typing import Any
 import gguf
 import numpy as np
 
+from mtpjax import errors
+from mtpjax.package import manifest as manifest_lib
 from mtpjax.package.manifest import MANIFEST_NAME
 
 _A64 = "a" * 64
@@ -82,6 +84,20 @@ EXAMPLE_FILE_BYTES = {
 def example_manifest() -> dict[str, Any]:
   """A fresh deep copy of the §9 manifest, safe to mutate."""
   return copy.deepcopy(EXAMPLE_MANIFEST)
+
+
+def assert_error_rule(test: Any, manifest: dict, code: str, message: str) -> None:
+  """`code` is an error issue of `manifest` (one of its messages holds `message`, every one has
+  a remedy), and parsing the manifest's bytes raises a ManifestError that carries it."""
+  found = manifest_lib.manifest_issues(manifest)
+  matching = [item for item in found if item["code"] == code]
+  test.assertNotEmpty(matching, f"{code} not in {found}")
+  test.assertTrue(any(message in item["message"] for item in matching), matching)
+  test.assertTrue(all(item["severity"] == "error" and item["remediation"] for item in matching))
+  with test.assertRaises(errors.ManifestError) as raised:
+    manifest_lib.parse_manifest(json.dumps(manifest).encode(), path="pkg/model-package.json")
+  test.assertIn(code, [item["code"] for item in raised.exception.issues])
+  test.assertIn("pkg/model-package.json", str(raised.exception))
 
 
 def write_example_package(root: str | pathlib.Path, manifest: dict | None = None,

@@ -1,7 +1,6 @@
 """Manifest v1 validation: the rules and issue codes of LAYER_PACKAGES.md §2, §5; the §9 example."""
 
 import hashlib
-import json
 import os
 import re
 
@@ -42,9 +41,9 @@ def _rename_strategy(manifest):
   manifest["generation"]["speculative_decoding"]["default"] = ""
 
 
-def _ngram_default(manifest):
+def _draft_model_default(manifest):
   manifest["generation"]["speculative_decoding"] = {
-      "default": "ngram", "strategies": {"ngram": {"type": "ngram-simple"}}}
+      "default": "draft", "strategies": {"draft": {"type": "draft-model"}}}
 
 
 # (case name, mutation, code, message substring)
@@ -208,7 +207,7 @@ class ExampleManifestTest(absltest.TestCase):
   def test_strategy_with_proposer_takes_its_depth_and_layers(self):
     manifest = examples.example_manifest()
     manifest["generation"]["speculative_decoding"] = {
-        "default": "mtp", "strategies": {"mtp": {"proposer": "nextn"}},
+        "default": "mtp", "strategies": {"mtp": {"type": "native-mtp", "proposer": "nextn"}},
         "proposers": {"nextn": {"type": "native-mtp", "prediction_depth": 1,
                                 "layer_indices": [2]}}}
     parsed = manifest_lib.parse_manifest(manifest, path="m.json")
@@ -252,15 +251,7 @@ class RuleTest(parameterized.TestCase):
   def test_error_rule(self, mutate, code, message):
     manifest = examples.example_manifest()
     mutate(manifest)
-    found = manifest_lib.manifest_issues(manifest)
-    matching = [item for item in found if item["code"] == code]
-    self.assertNotEmpty(matching, f"{code} not in {found}")
-    self.assertTrue(any(message in item["message"] for item in matching), matching)
-    self.assertTrue(all(item["severity"] == "error" and item["remediation"] for item in matching))
-    with self.assertRaises(errors.ManifestError) as raised:
-      manifest_lib.parse_manifest(json.dumps(manifest).encode(), path="pkg/model-package.json")
-    self.assertIn(code, [item["code"] for item in raised.exception.issues])
-    self.assertIn("pkg/model-package.json", str(raised.exception))
+    examples.assert_error_rule(self, manifest, code, message)
 
   @parameterized.parameters(*_UNSAFE_PATHS)
   def test_unsafe_path_is_rejected(self, path):
@@ -274,13 +265,13 @@ class RuleTest(parameterized.TestCase):
 
   def test_unknown_strategy_type_is_only_a_warning(self):
     manifest = examples.example_manifest()
-    _ngram_default(manifest)
+    _draft_model_default(manifest)
     found = manifest_lib.manifest_issues(manifest)
     self.assertEqual([(item["code"], item["severity"]) for item in found],
                      [("unsupported_speculative_strategy_type", "warning")])
     parsed = manifest_lib.parse_manifest(manifest, path="m.json")
-    self.assertEqual(parsed.generation.speculative_decoding.strategies["ngram"].type,
-                     "ngram-simple")
+    self.assertEqual(parsed.generation.speculative_decoding.strategies["draft"].type,
+                     "draft-model")
 
   def test_missing_activation_width_is_a_warning_and_loads(self):
     manifest = examples.example_manifest()

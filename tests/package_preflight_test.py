@@ -72,6 +72,34 @@ class ExamplePackageTest(absltest.TestCase):
             "layer_indices": [2], "window_policy": {"default": "fixed", "initial_window": 1,
                                                     "min_window": 1, "max_window": 1}}]}})
 
+  def test_newer_generation_is_echoed(self):
+    fixed = {"default": "fixed", "initial_window": 1, "min_window": 1, "max_window": 1,
+             "pipeline_depth": 2}
+    def newer(manifest):
+      manifest["generation"]["speculative_decoding"] = {
+          "default": "mtp-cache",
+          "proposers": {"mtp": {"type": "native-mtp", "prediction_depth": 1,
+                                "layer_indices": [2]},
+                        "cache": {"type": "ngram-cache", "ngram_min": 2, "ngram_max": 4,
+                                  "max_proposal_tokens": 10, "history_scope": "request"}},
+          "strategies": {"mtp": {"type": "native-mtp", "proposer": "mtp", "window_policy": fixed},
+                         "mtp-cache": {"type": "composite", "primary": "mtp", "extender": "cache",
+                                       "extension_policy": {"max_tokens": 8}}}}
+    report = preflight(self._with(newer))
+    self.assertTrue(report["valid"], report["issues"])
+    self.assertEqual(report["generation"], {"speculative_decoding": {
+        "default": "mtp-cache",
+        "proposers": [
+            {"name": "mtp", "type": "native-mtp", "prediction_depth": 1, "layer_indices": [2]},
+            {"name": "cache", "type": "ngram-cache", "ngram_min": 2, "ngram_max": 4,
+             "max_proposal_tokens": 10, "history_scope": "request"}],
+        "strategies": [
+            {"name": "mtp", "type": "native-mtp", "prediction_depth": None, "layer_indices": None,
+             "window_policy": fixed, "proposer": "mtp"},
+            {"name": "mtp-cache", "type": "composite", "prediction_depth": None,
+             "layer_indices": None, "window_policy": None, "primary": "mtp",
+             "extender": "cache", "extension_policy": {"max_tokens": 8}}]}})
+
   def test_stage_parts(self):
     report = preflight(self.root, stages=2)
     self.assertEqual(report["stages"], [
@@ -139,10 +167,10 @@ class ExamplePackageTest(absltest.TestCase):
     self.assertIn("references layer 2, but layer_count is 2", report["issues"][0]["message"])
 
   def test_unknown_strategy_is_a_warning_and_stays_valid(self):
-    def ngram(manifest):
+    def draft_model(manifest):
       manifest["generation"]["speculative_decoding"] = {
-          "default": "ngram", "strategies": {"ngram": {"type": "ngram-simple"}}}
-    report = preflight(self._with(ngram))
+          "default": "draft", "strategies": {"draft": {"type": "draft-model"}}}
+    report = preflight(self._with(draft_model))
     self.assertTrue(report["valid"])
     self.assertEqual([(i["code"], i["severity"]) for i in report["issues"]],
                      [("unsupported_speculative_strategy_type", "warning")])

@@ -13,7 +13,8 @@ from absl.testing import absltest
 from absl.testing import parameterized
 from gguf import quants
 
-from mtpjax import errors
+from configs import glm
+from mtpjax import errors, speculative
 import package_examples as examples
 from mtpjax.package import preflight, reader, writer
 from mtpjax.testing import tiny_glm
@@ -49,10 +50,10 @@ def _package_files(root):
 
 class GenerationAndWidthTest(parameterized.TestCase):
 
-  def _split(self, tensors, key_values, arch="llama"):
+  def _split(self, tensors, key_values, arch="llama", **options):
     tmp = examples.temporary_directory(self)
     src = examples.write_gguf(tmp / "src.gguf", tensors, arch=arch, key_values=key_values)[0]
-    out = writer.split_gguf(src, tmp / "pkg", model_id="org/repo:F32")
+    out = writer.split_gguf(src, tmp / "pkg", model_id="org/repo:F32", **options)
     return json.loads((out / "model-package.json").read_text())
 
   def test_no_nextn_tensors_no_generation(self):
@@ -76,6 +77,38 @@ class GenerationAndWidthTest(parameterized.TestCase):
     self.assertEqual(manifest["layers"][47]["tensor_count"], 3)
     self.assertEqual(manifest["layers"][5]["tensor_count"], 0)
     self.assertEqual(manifest["layers"][5]["tensor_bytes"], 0)
+
+  @parameterized.named_parameters(
+      ("inline_mtp_id", "mtp", {"default": "mtp", "strategies": {"mtp": {
+          "type": "native-mtp", "prediction_depth": 1, "layer_indices": [47],
+          "window_policy": {"default": "fixed", "initial_window": 1, "min_window": 1,
+                            "max_window": 1}}}}),
+      ("proposers", "proposers", {
+          "default": "mtp",
+          "proposers": {"mtp": {"type": "native-mtp", "prediction_depth": 1,
+                                "layer_indices": [47]}},
+          "strategies": {"mtp": {"type": "native-mtp", "proposer": "mtp", "window_policy": {
+              "default": "fixed", "initial_window": 1, "min_window": 1, "max_window": 1}}}}))
+  def test_newer_generation_formats(self, generation_format, expected):
+    tensors = {"blk.0.attn_norm.weight": _norm(),
+               "blk.47.nextn.eh_proj.weight": _RNG.standard_normal((4, 8)).astype(np.float32),
+               "blk.47.nextn.enorm.weight": _norm(), "blk.47.nextn.hnorm.weight": _norm()}
+    manifest = self._split(tensors, [("llama.embedding_length", 4, _VT.UINT32)],
+                           generation_format=generation_format)
+    self.assertEqual(manifest["generation"], {"speculative_decoding": expected})
+    plain = self._split({"blk.0.attn_norm.weight": _norm()},
+                        [("llama.embedding_length", 4, _VT.UINT32)],
+                        generation_format=generation_format)
+    self.assertNotIn("generation", plain)
+
+  def test_unknown_generation_format_is_refused_before_writing(self):
+    tmp = examples.temporary_directory(self)
+    src = examples.write_gguf(tmp / "src.gguf", {"blk.0.attn_norm.weight": _norm()},
+                              key_values=[("llama.embedding_length", 4, _VT.UINT32)])[0]
+    with self.assertRaisesRegex(errors.PackageError, "generation format 'v2' is not one of "
+                                "native-mtp-n1, mtp, proposers"):
+      writer.split_gguf(src, tmp / "pkg", model_id="org/repo:F32", generation_format="v2")
+    self.assertEqual(sorted(path.name for path in tmp.iterdir()), ["src.gguf"])
 
   @parameterized.parameters(("qwen2", 3584, _VT.UINT32), ("llama", 1024, _VT.UINT16),
                             ("llama", 4096, _VT.INT32), ("llama", 64, _VT.UINT64))
@@ -327,6 +360,74 @@ class FixtureTest(absltest.TestCase):
                                                      tuple(int(d) for d in tensor.shape)), name)
         self.assertEqual(np.asarray(package.raw(name)).tobytes(),
                          np.asarray(tensor.data).tobytes(), name)
+
+
+class GenerationFormatTest(absltest.TestCase):
+  """The llama.cpp-made fixture (NextN block at layer 3) split in every era's generation form:
+  each package opens byte-identical and resolves to the same native MTP as the first era's."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.tmp = examples.temporary_directory(cls)
+    cls.packages = {form: writer.split_gguf(FIXTURE, cls.tmp / form, generation_format=form,
+                                            model_id="zai-org/glm4moe-tiny:Q4_K_M")
+                    for form in writer.GENERATION_FORMATS}
+
+  def _resolve(self, source, strategy, env):
+    config = glm.get_config()
+    config.defaults.speculative.strategy = strategy
+    resolution = speculative.resolve_for_source(config, "glm", source, env=env)
+    return (resolution.native_mtp, resolution.mtp_layer_index, resolution.window_policy,
+            resolution.requested, resolution.disabled_by_env)
+
+  def test_every_form_is_valid_and_differs_only_in_generation(self):
+    manifests = {}
+    for form, package in self.packages.items():
+      report = preflight.preflight(package, check_sha=True)
+      self.assertEqual((report["valid"], report["issues"]), (True, []), form)
+      manifest = json.loads((package / "model-package.json").read_text())
+      for varying in ("generation", "created_at_unix_secs"):
+        manifest.pop(varying)
+      manifests[form] = manifest
+    self.assertEqual(manifests["mtp"], manifests["native-mtp-n1"])
+    self.assertEqual(manifests["proposers"], manifests["native-mtp-n1"])
+
+  def test_every_form_opens_the_same_tensors_and_metadata(self):
+    contents = {}
+    for form, package in self.packages.items():
+      with reader.open_source(package, verify="sha256") as source:
+        contents[form] = (source.metadata, {name: (info.ggml_type, info.ne,
+                                                   np.asarray(source.raw(name)).tobytes())
+                                            for name, info in source.tensors.items()})
+    self.assertEqual(contents["mtp"], contents["native-mtp-n1"])
+    self.assertEqual(contents["proposers"], contents["native-mtp-n1"])
+
+  def test_every_form_resolves_like_the_first_era(self):
+    fixed = {"default": "fixed", "initial_window": 1, "min_window": 1, "max_window": 1,
+             "pipeline_depth": None}
+    expected = {None: (True, 3, fixed, "auto", False),
+                "mtp": (True, 3, fixed, "native-mtp-n1", False),
+                "native-mtp-n1": (True, 3, fixed, "native-mtp-n1", False),
+                "disabled": (False, None, None, "disabled", False)}
+    for form, package in self.packages.items():
+      with reader.open_source(package) as source:
+        for strategy, want in expected.items():
+          self.assertEqual(self._resolve(source, strategy, {}), want, (form, strategy))
+        self.assertEqual(self._resolve(source, None, {"MTPJAX_NATIVE_MTP": "0"}),
+                         (False, None, None, "auto", True), form)
+
+  def test_command_line_writes_the_proposers_form(self):
+    out = self.tmp / "cli"
+    result = subprocess.run(
+        [sys.executable, "-m", "mtpjax.package.split", str(FIXTURE), str(out),
+         "--model-id", "zai-org/glm4moe-tiny:Q4_K_M", "--generation-format", "proposers"],
+        capture_output=True, text=True, cwd=REPO_ROOT)
+    self.assertEqual(result.returncode, 0, result.stderr)
+    written = json.loads((out / "model-package.json").read_text())["generation"]
+    expected = json.loads((self.packages["proposers"] / "model-package.json").read_text())
+    self.assertEqual(written, expected["generation"])
+    self.assertEqual(written["speculative_decoding"]["proposers"]["mtp"]["layer_indices"], [3])
 
 
 class DestinationTest(absltest.TestCase):

@@ -198,7 +198,8 @@ class MatrixTest(ConsumerAssertions, parameterized.TestCase):
     self.assertEqual(resolution.mtp_layer_index, 3 if expected else None)
     if expected and source_name.startswith("pkg"):
       self.assertEqual(resolution.window_policy, {"default": "fixed", "initial_window": 1,
-                                                  "min_window": 1, "max_window": 1})
+                                                  "min_window": 1, "max_window": 1,
+                                                  "pipeline_depth": None})
     else:
       self.assertIsNone(resolution.window_policy)
     self.assert_consumers(resolution, expected)
@@ -440,7 +441,8 @@ class WindowPolicyTest(absltest.TestCase):
     adaptive = WindowPolicy("adaptive", 1, 1, 4)
     resolution = resolve(package(_generation("mtp", _mtp("mtp", policy=adaptive))), "auto")
     self.assertEqual(resolution.window_policy, {"default": "adaptive", "initial_window": 1,
-                                                "min_window": 1, "max_window": 4})
+                                                "min_window": 1, "max_window": 4,
+                                                "pipeline_depth": None})
 
   def test_other_policy_logs_that_mtpjax_drafts_one(self):
     adaptive = WindowPolicy("adaptive", 2, 1, 4)

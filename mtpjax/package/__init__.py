@@ -8,8 +8,9 @@ here would shadow the module of the same name.
 from mtpjax.package.gguf_kv import KeyValue, read_key_values
 from mtpjax.package.integrity import is_hex_sha256, sha256_file
 from mtpjax.package.manifest import (FORMAT, MANIFEST_NAME, PACKAGE_ABI_VERSION, Artifact,
-                                     Generation, HfReference, Manifest, Proposer, SourceFile,
-                                     SourceModel, SpeculativeDecoding, Strategy, WindowPolicy,
+                                     ExtensionPolicy, Generation, HfReference, Manifest,
+                                     Proposer, SourceFile, SourceModel, SpeculativeDecoding,
+                                     Strategy, WindowPolicy,
                                      check_abi_version, load_manifest, manifest_issues,
                                      manifest_sha256, parse_abi_version, parse_hf_reference,
                                      parse_manifest, read_manifest, source_size_bytes)

@@ -42,8 +42,44 @@ REMEDIES: dict[str, str] = {
     "empty_speculative_strategy_type": 'give every speculative strategy a "type" such as '
                                        '"native-mtp"',
     "missing_speculative_proposer": "add the named proposer to speculative_decoding.proposers",
-    "unsupported_speculative_strategy_type": "nothing to do unless you want MTP: mtpjax only runs "
-                                             "native-mtp strategies and ignores this one",
+    "unsupported_speculative_strategy_type": "nothing to do unless you want this strategy: mtpjax "
+                                             "runs native-mtp, ngram-simple, ngram-cache, "
+                                             "ngram-suffix and composite strategies and ignores "
+                                             "other types",
+    "empty_speculative_proposer_name": "give every speculative proposer a non-empty id such as "
+                                       "mtp or ngram-cache",
+    "unsupported_speculative_proposer_type": "use a proposer type mtpjax runs (native-mtp, "
+                                             "ngram-simple, ngram-cache, ngram-suffix); others are "
+                                             "ignored and no strategy may use them",
+    "native_mtp_strategy_proposer_type_mismatch": "point the native-mtp strategy's proposer at a "
+                                                  "native-mtp proposer",
+    "missing_ngram_strategy_proposer": "name the strategy's n-gram proposer in its proposer field",
+    "ngram_strategy_proposer_type_mismatch": "make the n-gram strategy's type equal to its "
+                                             "proposer's type",
+    "missing_composite_primary": "set primary to a declared native-mtp proposer",
+    "missing_composite_extender": "set extender to a declared ngram-simple, ngram-cache or "
+                                  "ngram-suffix proposer",
+    "missing_composite_extension_policy": "add extension_policy with max_tokens (initial_tokens "
+                                          "and tail_backoff_proposals are optional)",
+    "invalid_composite_primary_type": "set primary to a native-mtp proposer",
+    "invalid_composite_extender_type": "set extender to an ngram-simple, ngram-cache or "
+                                       "ngram-suffix proposer",
+    "invalid_extension_policy_tokens": "extension_policy needs max_tokens >= 1, 1 <= "
+                                       "initial_tokens <= max_tokens and tail_backoff_proposals "
+                                       ">= 0",
+    "invalid_ngram_proposer_window": "set integers ngram_min and ngram_max with 1 <= ngram_min <= "
+                                     "ngram_max",
+    "invalid_ngram_proposer_max_tokens": "set max_proposal_tokens to a positive integer",
+    "unsupported_ngram_cache_max_window": "set ngram_max to at most 4 for ngram-cache "
+                                          "(max_proposal_tokens stays independent), or use "
+                                          "ngram-suffix for longer matches",
+    "invalid_ngram_cache_history_scope": 'set history_scope to "request": n-gram history is '
+                                         "never shared between requests",
+    "unsupported_ngram_suffix_window": "ngram-suffix needs 3 <= ngram_min <= ngram_max <= 64",
+    "invalid_ngram_suffix_history_scope": 'set history_scope to "request": suffix indexes are '
+                                          "per request",
+    "invalid_window_policy_pipeline_depth": "set window_policy.pipeline_depth to an integer from "
+                                            "1 to 64, or remove it",
     "unsupported_native_mtp_prediction_depth": "mtpjax drafts one token: set prediction_depth 1",
     "missing_native_mtp_layers": "list the NextN block's package layer index in layer_indices",
     "native_mtp_layer_out_of_range": "layer_indices must name package layers below layer_count; "

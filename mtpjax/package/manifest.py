@@ -63,16 +63,44 @@ class WindowPolicy:
   initial_window: int
   min_window: int
   max_window: int
+  pipeline_depth: int | None = None      # newer packages: verify windows in flight
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtensionPolicy:
+  """How far a composite's n-gram extender continues the primary's draft, and when it backs off
+  (older writers always wrote all three fields, newer ones only `max_tokens`)."""
+  max_tokens: int
+  initial_tokens: int | None = None
+  tail_backoff_proposals: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
+  """One package strategy, whichever era's form declared it.
+
+  `prediction_depth` and `layer_indices` describe its native-MTP drafting: inline, taken from
+  its `proposer`, or from a composite's `primary`; they stay empty for n-gram strategies. A type
+  mtpjax does not know keeps only its name and type (`known` is False): its fields are ignored.
+  """
   name: str
   type: str
   prediction_depth: int | None = None
   layer_indices: tuple[int, ...] = ()
   window_policy: WindowPolicy | None = None
   proposer: str | None = None
+  primary: str | None = None
+  extender: str | None = None
+  extension_policy: ExtensionPolicy | None = None
+
+  @property
+  def known(self) -> bool:
+    return self.type in generation_rules.STRATEGY_TYPES
+
+  @property
+  def uses_native_mtp(self) -> bool:
+    """True when the NextN head drafts (alone, or as a composite's primary)."""
+    return self.type in (NATIVE_MTP_TYPE, generation_rules.COMPOSITE_TYPE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +109,10 @@ class Proposer:
   type: str
   prediction_depth: int | None = None
   layer_indices: tuple[int, ...] = ()
+  ngram_min: int | None = None
+  ngram_max: int | None = None
+  max_proposal_tokens: int | None = None
+  history_scope: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +120,15 @@ class SpeculativeDecoding:
   default: str
   strategies: dict[str, Strategy]
   proposers: dict[str, Proposer] = dataclasses.field(default_factory=dict)
+
+  def ngram_proposer(self, strategy: Strategy) -> Proposer | None:
+    """The n-gram proposer a strategy drafts with: its `proposer` for an n-gram type, its
+    `extender` for a composite; None for native MTP alone and for unknown types."""
+    if strategy.type in generation_rules.NGRAM_TYPES:
+      return self.proposers.get(strategy.proposer)
+    if strategy.type == generation_rules.COMPOSITE_TYPE:
+      return self.proposers.get(strategy.extender)
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,30 +433,52 @@ def _window_policy(policy: dict | None) -> WindowPolicy | None:
   if policy is None:
     return None
   return WindowPolicy(default=policy["default"], initial_window=policy["initial_window"],
-                      min_window=policy["min_window"], max_window=policy["max_window"])
+                      min_window=policy["min_window"], max_window=policy["max_window"],
+                      pipeline_depth=policy.get("pipeline_depth"))
 
 
 def _proposer(name: str, body: dict) -> Proposer:
-  return Proposer(name=name, type=body.get("type") or "",
-                  prediction_depth=body.get("prediction_depth"),
-                  layer_indices=tuple(body.get("layer_indices") or ()))
+  """A validated proposer; only the fields its type defines are read (the others are unchecked)."""
+  kind = body["type"]
+  if kind == NATIVE_MTP_TYPE:
+    return Proposer(name=name, type=kind, prediction_depth=body["prediction_depth"],
+                    layer_indices=tuple(body["layer_indices"]))
+  if kind not in generation_rules.NGRAM_TYPES:
+    return Proposer(name=name, type=kind)
+  scope = body.get("history_scope")
+  return Proposer(name=name, type=kind, ngram_min=body["ngram_min"], ngram_max=body["ngram_max"],
+                  max_proposal_tokens=body["max_proposal_tokens"],
+                  history_scope=scope if isinstance(scope, str) else None)
+
+
+def _strategy(name: str, body: dict, proposers: dict[str, Proposer]) -> Strategy:
+  """A validated strategy, its native-MTP depth and layers taken from wherever they live."""
+  kind = body["type"]
+  if kind not in generation_rules.STRATEGY_TYPES:
+    return Strategy(name=name, type=kind)
+  composite = kind == generation_rules.COMPOSITE_TYPE
+  source = body["primary"] if composite else body.get("proposer")
+  if source is not None:
+    depth, layers = proposers[source].prediction_depth, proposers[source].layer_indices
+  else:                                   # only native-mtp strategies are valid without one
+    depth, layers = body["prediction_depth"], tuple(body["layer_indices"])
+  extension = body.get("extension_policy")
+  return Strategy(
+      name=name, type=kind, prediction_depth=depth, layer_indices=layers,
+      window_policy=_window_policy(body.get("window_policy")), proposer=body.get("proposer"),
+      primary=body["primary"] if composite else None,
+      extender=body["extender"] if composite else None,
+      extension_policy=None if extension is None else ExtensionPolicy(
+          max_tokens=extension["max_tokens"], initial_tokens=extension.get("initial_tokens"),
+          tail_backoff_proposals=extension.get("tail_backoff_proposals")))
 
 
 def _speculative(raw: dict | None) -> SpeculativeDecoding | None:
   if raw is None:
     return None
-  proposers = {name: _proposer(name, body) for name, body in (raw.get("proposers") or {}).items()
-               if isinstance(body, dict)}
-  strategies = {}
-  for name, body in (raw.get("strategies") or {}).items():
-    proposer = proposers.get(body.get("proposer"))
-    source = body if proposer is None else {"type": proposer.type,
-                                            "prediction_depth": proposer.prediction_depth,
-                                            "layer_indices": list(proposer.layer_indices)}
-    strategies[name] = Strategy(
-        name=name, type=source.get("type") or "", prediction_depth=source.get("prediction_depth"),
-        layer_indices=tuple(source.get("layer_indices") or ()),
-        window_policy=_window_policy(body.get("window_policy")), proposer=body.get("proposer"))
+  proposers = {name: _proposer(name, body) for name, body in (raw.get("proposers") or {}).items()}
+  strategies = {name: _strategy(name, body, proposers)
+                for name, body in (raw.get("strategies") or {}).items()}
   return SpeculativeDecoding(default=raw["default"], strategies=strategies, proposers=proposers)
 
 
@@ -432,8 +495,9 @@ def parse_manifest(data: dict | bytes, *, path: str | pathlib.Path,
                    package_root: pathlib.Path | None = None) -> Manifest:
   """Validates a v1 manifest (raw bytes or decoded JSON) and returns it typed.
 
-  Raises one ManifestError carrying every error issue. A strategy that names a proposer gets
-  that proposer's type, depth and layers, so consumers read `Strategy` fields directly.
+  Raises one ManifestError carrying every error issue. A strategy that names a native-MTP
+  proposer (or a composite's primary) carries that proposer's depth and layers, so every era's
+  form reads the same through `Strategy`.
   """
   raw = _decode_json(data, str(path))
   found = manifest_issues(raw, package_root)

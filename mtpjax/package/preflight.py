@@ -19,6 +19,9 @@ from mtpjax.package.issues import errors_of, is_int, issue
 
 REPORT_SCHEMA_VERSION = 1
 _STRATEGY_ECHO_FIELDS = ("type", "prediction_depth", "layer_indices", "window_policy")
+_STRATEGY_OPTIONAL_ECHO_FIELDS = ("proposer", "primary", "extender", "extension_policy")
+_PROPOSER_ECHO_FIELDS = ("type", "prediction_depth", "layer_indices", "ngram_min", "ngram_max",
+                         "max_proposal_tokens", "history_scope")
 
 
 def _artifact_entries(raw: dict) -> list[tuple[str, str, int | None, dict]]:
@@ -99,22 +102,32 @@ def _stage_reports(layer_count: int | None, stages: object,
   return reports, []
 
 
+def _present(body: dict, fields: tuple[str, ...]) -> dict:
+  return {field: body[field] for field in fields if body.get(field) is not None}
+
+
 def _generation_echo(generation: object) -> object:
-  """The package's speculative defaults as operators read them: strategies as an array."""
+  """The package's speculative defaults as operators read them: proposers and strategies as
+  arrays; the era-specific fields appear only when the package sets them."""
   if not isinstance(generation, dict):
     return generation
   speculative = generation.get("speculative_decoding")
   if not isinstance(speculative, dict):
     return {"speculative_decoding": speculative}
+  echo: dict = {"default": speculative.get("default")}
+  proposers = speculative.get("proposers")
+  if isinstance(proposers, dict) and proposers:
+    echo["proposers"] = [{"name": name, **_present(body, _PROPOSER_ECHO_FIELDS)}
+                         if isinstance(body, dict) else {"name": name}
+                         for name, body in proposers.items()]
   strategies = speculative.get("strategies")
-  echoed = []
+  echo["strategies"] = []
   for name, body in (strategies.items() if isinstance(strategies, dict) else ()):
     body = body if isinstance(body, dict) else {}
-    entry = {"name": name, **{field: body.get(field) for field in _STRATEGY_ECHO_FIELDS}}
-    if body.get("proposer") is not None:
-      entry["proposer"] = body["proposer"]
-    echoed.append(entry)
-  return {"speculative_decoding": {"default": speculative.get("default"), "strategies": echoed}}
+    echo["strategies"].append({"name": name,
+                               **{field: body.get(field) for field in _STRATEGY_ECHO_FIELDS},
+                               **_present(body, _STRATEGY_OPTIONAL_ECHO_FIELDS)})
+  return {"speculative_decoding": echo}
 
 
 def preflight(package_dir: str | pathlib.Path, *, stages: int | None = None,

@@ -25,11 +25,17 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--file", "--primary-file", dest="primary_file", default=None,
                       help="the source's path inside its repository (default: its file name)")
   parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+  parser.add_argument("--generation-format", "--generation_format", dest="generation_format",
+                      choices=writer.GENERATION_FORMATS, default=writer.DEFAULT_STRATEGY,
+                      help="how generation.speculative_decoding declares native MTP: the first "
+                           "era's inline native-mtp-n1 (default), the later inline mtp, or the "
+                           "newer proposers form")
   args = parser.parse_args(argv)
   try:
     out = writer.split_gguf(args.src, args.out_dir, model_id=args.model_id,
                             revision=args.revision, overwrite=args.overwrite,
-                            primary_file=args.primary_file)
+                            primary_file=args.primary_file,
+                            generation_format=args.generation_format)
   except errors.MtpjaxError as error:
     print(f"error: {error}", file=sys.stderr)
     return 1

@@ -30,6 +30,10 @@ from mtpjax.package.reader import (OWNED_ROLES, ROLE_LAYER, ModelSource, open_gg
 
 ABI_STAMP = "0.1.0"
 DEFAULT_STRATEGY = "native-mtp-n1"
+# How `generation` declares native MTP, one per package era: the first writer's inline
+# `native-mtp-n1`, the later inline `mtp`, and the newer `proposers` form (a `mtp` strategy that
+# refers to a `mtp` proposer). All three resolve the same.
+GENERATION_FORMATS = (DEFAULT_STRATEGY, "mtp", "proposers")
 _COMPARE_CHUNK_BYTES = 16 << 20
 _SHARD_SUFFIX = re.compile(r"-[0-9]{5}-of-[0-9]{5}$")
 _MODEL_ID = re.compile(r"[^\s/:@]+/[^\s/:@]+(:[^\s/:@]+)?")
@@ -150,16 +154,21 @@ def _source_model(source: ModelSource, model_id: str, revision: str | None,
   return record
 
 
-def _generation(source: ModelSource) -> dict | None:
-  """`native-mtp-n1` iff the source has `.nextn.` tensors (§6 step 5)."""
+def _generation(source: ModelSource, generation_format: str) -> dict | None:
+  """Native MTP iff the source has `.nextn.` tensors (§6 step 5), in the chosen era's form."""
   layers = sorted({tensor_role(name)[1] for name in source.tensors if ".nextn." in name
                    and tensor_role(name)[0] == ROLE_LAYER})
   if not layers:
     return None
-  return {"speculative_decoding": {"default": DEFAULT_STRATEGY, "strategies": {DEFAULT_STRATEGY: {
-      "type": manifest_lib.NATIVE_MTP_TYPE, "prediction_depth": 1, "layer_indices": layers,
-      "window_policy": {"default": "fixed", "initial_window": 1, "min_window": 1,
-                        "max_window": 1}}}}}
+  native = {"type": manifest_lib.NATIVE_MTP_TYPE, "prediction_depth": 1, "layer_indices": layers}
+  window = {"default": "fixed", "initial_window": 1, "min_window": 1, "max_window": 1}
+  if generation_format == "proposers":
+    return {"speculative_decoding": {"default": "mtp", "proposers": {"mtp": native},
+                                     "strategies": {"mtp": {
+                                         "type": manifest_lib.NATIVE_MTP_TYPE, "proposer": "mtp",
+                                         "window_policy": window}}}}
+  return {"speculative_decoding": {"default": generation_format, "strategies": {
+      generation_format: {**native, "window_policy": window}}}}
 
 
 def _same_bytes(left: np.ndarray, right: np.ndarray) -> bool:
@@ -227,13 +236,19 @@ def _install(built: pathlib.Path, out_dir: pathlib.Path) -> None:
 
 def split_gguf(src: str | pathlib.Path, out_dir: str | pathlib.Path, *, model_id: str | None,
                revision: str | None = None, overwrite: bool = False,
-               primary_file: str | None = None) -> pathlib.Path:
+               primary_file: str | None = None,
+               generation_format: str = DEFAULT_STRATEGY) -> pathlib.Path:
   """Writes a v1 layer package for a plain GGUF or any shard of a split GGUF; returns OUT_DIR.
 
   `primary_file` is the source's path inside its repository (default: the local file name); its
   folder is kept in `source_model.files`, e.g. `UD-IQ2_M/GLM-5.1-UD-IQ2_M-00001-of-00006.gguf`.
+  `generation_format` picks the era's form of the native-MTP declaration (GENERATION_FORMATS).
   """
   model_id = _check_model_id(model_id)
+  if generation_format not in GENERATION_FORMATS:
+    raise errors.PackageError(f"generation format {generation_format!r} is not one of "
+                              f"{', '.join(GENERATION_FORMATS)}", field="generation_format",
+                              remedy="pass --generation-format " + "|".join(GENERATION_FORMATS))
   out_dir = pathlib.Path(out_dir)
   _prepare_destination(out_dir, overwrite)
   staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
@@ -247,7 +262,7 @@ def split_gguf(src: str | pathlib.Path, out_dir: str | pathlib.Path, *, model_id
         raise errors.PackageError(f"source {src} has no blk.N tensors; a layer package needs at "
                                   "least one layer", path=str(src), remedy=_REMEDY)
       width = source.activation_width
-      generation = _generation(source)
+      generation = _generation(source, generation_format)
       source_model = _source_model(source, model_id, revision, primary_file)
       entries = {fragment.label: _write_fragment(source, fragment, staging)
                  for fragment in fragment_plan(source.layer_count)}
