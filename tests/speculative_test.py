@@ -234,7 +234,7 @@ class MatrixTest(ConsumerAssertions, parameterized.TestCase):
     self.assertIn("remedy:", str(caught.exception))
 
   def test_auto_off_reasons_say_why(self):
-    self.assertIn('default "ngram" (type ngram-simple)',
+    self.assertIn('default "ngram" (ngram-simple)',
                   resolve(SOURCES["pkg_ngram_default"](), "auto").reason)
     self.assertIn("no generation block", resolve(SOURCES["pkg_no_generation"](), "auto").reason)
     gguf_reason = resolve(SOURCES["gguf_proof"](), "auto").reason
@@ -273,28 +273,46 @@ class NormalizeTest(parameterized.TestCase):
       self.assertEqual(caught.exception.message,
                        "defaults.speculative.strategy must not be empty when set")
 
-  def test_unknown(self):
+  @parameterized.parameters(("NGRAM-Simple", "ngram-simple"), (" ngram-cache", "ngram-cache"),
+                            ("Ngram-Suffix ", "ngram-suffix"), (" mtp-cache ", "mtp-cache"),
+                            ("My_Strategy.v2", "My_Strategy.v2"), ("ngram", "ngram"))
+  def test_ngram_values_and_package_ids(self, value, canonical):
+    """Built-in values are matched ignoring case; anything else is a package strategy id, kept
+    as written (the package is not open yet: resolution checks that it declares it)."""
+    self.assertEqual(speculative.normalize_strategy(value, "a.b"), canonical)
+
+  @parameterized.parameters("ngram simple", "-mtp", "mtp/cache", "x" * 129, 3, None)
+  def test_unknown(self, value):
     with self.assertRaises(SpeculativeConfigError) as caught:
-      speculative.normalize_strategy("ngram", "models.glm.speculative.strategy")
+      speculative.normalize_strategy(value, "models.glm.speculative.strategy")
     self.assertEqual(caught.exception.message,
                      "models.glm.speculative.strategy must be one of: auto, native-mtp-n1, "
-                     "disabled (alias: mtp); got 'ngram'")
+                     "disabled, ngram-simple, ngram-cache, ngram-suffix (alias: mtp), or a "
+                     "strategy id the package declares (letters, digits, '.', '_', '-'); got "
+                     f"{value!r}")
 
   def test_validation_and_resolution_agree(self):
-    """A value the config accepts is one resolution accepts, with the same meaning."""
+    """A value the config rejects, resolution rejects with the same message; one it accepts
+    resolves to the same canonical value, or, naming no strategy of this package, fails at
+    resolution naming the ones it declares (before any weight is read)."""
     table = [" Auto ", "AUTO", "MTP", "Mtp", "native-MTP-n1", " disabled", "", " ", "ngram",
-             "native-mtp-n2", "native_mtp_n1", "draft-model", "on", "1"]
+             "native-mtp-n2", "native_mtp_n1", "draft-model", "on", "1", "NGRAM-cache",
+             "ngram simple", "a/b"]
     for value in table:
       config = glm.get_config()
       config.defaults.speculative.strategy = value
       try:
         validated = speculative.strategy_from_config(config, "glm")[0]
-      except SpeculativeConfigError:
-        validated = "error"
+      except SpeculativeConfigError as error:
+        validated = error.message
       try:
         resolved = resolve(SOURCES["pkg_mtp"](), value).requested
-      except SpeculativeConfigError:
-        resolved = "error"
+      except SpeculativeConfigError as error:
+        resolved = error.message
+        if validated == value.strip():
+          self.assertIn(f'"{validated}" is not a strategy the package declares (declared: '
+                        "native-mtp-n1)", resolved)
+          continue
       self.assertEqual(validated, resolved, msg=repr(value))
 
 
@@ -331,7 +349,7 @@ class PrecedenceTest(absltest.TestCase):
 
   def test_bad_defaults_fail_even_when_model_overrides(self):
     config = glm.get_config()
-    config.defaults.speculative.strategy = "ngram"
+    config.defaults.speculative.strategy = "ngram simple"
     config.models.glm.speculative.strategy = "auto"
     with self.assertRaisesRegex(SpeculativeConfigError, "defaults.speculative.strategy"):
       speculative.strategy_from_config(config, "glm")

@@ -1,0 +1,77 @@
+"""The composite strategy's draft: native MTP first, an n-gram tail after it (SPECULATIVE.md §11).
+
+The n-gram tail is a cheap bet on top of a healthy MTP draft, so it starts short
+(`initial_tokens`), grows by one after each fully accepted draft up to `max_tokens`, and after
+a failed tail (the target took every MTP token but not the whole tail) drops back to
+`initial_tokens` and sits out the next `tail_backoff_proposals` drafts. A rejection inside the
+MTP part says nothing about the tail and changes nothing here. One `TailExtension` per request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from mtpjax.engine.ngram import NgramProposer
+
+
+@dataclasses.dataclass(frozen=True)
+class CompositeDraft:
+  """The tokens to verify: `mtp_count` native-MTP tokens, then `tail_count` n-gram tokens."""
+  tokens: tuple[int, ...]
+  mtp_count: int
+
+  @property
+  def tail_count(self) -> int:
+    return len(self.tokens) - self.mtp_count
+
+
+class TailExtension:
+  """Per-request state of the n-gram tail, fed the accept count of each verified draft."""
+
+  def __init__(self, *, max_tokens: int, initial_tokens: int, tail_backoff_proposals: int):
+    if not 1 <= initial_tokens <= max_tokens or tail_backoff_proposals < 0:
+      raise ValueError("TailExtension needs 1 <= initial_tokens <= max_tokens and "
+                       f"tail_backoff_proposals >= 0; got {initial_tokens}, {max_tokens}, "
+                       f"{tail_backoff_proposals}")
+    self.max_tokens, self.initial_tokens = max_tokens, initial_tokens
+    self.tail_backoff_proposals = tail_backoff_proposals
+    self.tail_tokens = initial_tokens       # the tail budget of the next extended draft
+    self.backoff_left = 0                   # drafts still to go without a tail
+
+  @classmethod
+  def from_settings(cls, settings) -> TailExtension:
+    """From a resolution's `ExtensionSettings`."""
+    return cls(max_tokens=settings.max_tokens, initial_tokens=settings.initial_tokens,
+               tail_backoff_proposals=settings.tail_backoff_proposals)
+
+  def budget(self, mtp_count: int) -> int:
+    """How many n-gram tokens may follow `mtp_count` MTP tokens in this draft. Without MTP
+    tokens (none drafted) the n-gram proposer drafts alone, up to `max_tokens`; a draft during
+    back-off uses one back-off turn and gets no tail."""
+    if mtp_count == 0:
+      return self.max_tokens
+    if self.backoff_left > 0:
+      self.backoff_left -= 1
+      return 0
+    return self.tail_tokens
+
+  def observe(self, draft: CompositeDraft, accepted: int) -> None:
+    """`accepted`: how many of `draft.tokens` the target accepted, in order."""
+    if draft.mtp_count == 0 or draft.tail_count == 0:
+      return
+    if accepted >= len(draft.tokens):
+      self.tail_tokens = min(self.tail_tokens + 1, self.max_tokens)
+    elif accepted >= draft.mtp_count:
+      self.tail_tokens = self.initial_tokens
+      self.backoff_left = self.tail_backoff_proposals
+
+
+def compose_draft(mtp_tokens: Sequence[int], proposer: NgramProposer, extension: TailExtension,
+                  window: int) -> CompositeDraft:
+  """The MTP draft (cut to `window`), extended by the n-gram proposer within the budget and the
+  window. The proposer looks past the MTP tokens without indexing them."""
+  mtp = tuple(int(token) for token in mtp_tokens[:window])
+  room = min(window - len(mtp), extension.budget(len(mtp)))
+  tail = proposer.propose(room, prefix=mtp) if room > 0 else []
+  return CompositeDraft(tokens=mtp + tuple(tail), mtp_count=len(mtp))
