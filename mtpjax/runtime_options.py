@@ -31,6 +31,7 @@ class GenerationSettings:
   timing: bool
   speculative_strategy: str
   speculative_reason: str
+  speculative_type: str = "off"    # what drafts: native-mtp, ngram-*, composite, or off
 
 
 def consumers_from_resolution(
@@ -42,5 +43,6 @@ def consumers_from_resolution(
   settings = GenerationSettings(
       native_mtp=flag, max_len=int(max_len), slots=int(slots),
       prefill_buckets=tuple(int(b) for b in prefill_buckets), timing=bool(timing),
-      speculative_strategy=resolution.requested, speculative_reason=resolution.reason)
+      speculative_strategy=resolution.requested, speculative_reason=resolution.reason,
+      speculative_type=resolution.strategy_type or "off")
   return ModelLoadOptions(dtype=dtype, native_mtp=flag), settings

@@ -117,9 +117,18 @@ class CommandLineTest(absltest.TestCase):
     self.assertEqual((config.engine.slots, config.engine.max_len), (1, 64))
 
   def test_invalid_strategy_loads_then_fails_validation(self):
-    config = parse(f"--config={GLM}", "--config.defaults.speculative.strategy=ngram")
+    config = parse(f"--config={GLM}", "--config.defaults.speculative.strategy=ngram/simple")
     with self.assertRaisesRegex(SpeculativeConfigError, "must be one of"):
       speculative.strategy_from_config(config, "glm")
+
+  def test_ngram_strategy_from_the_command_line(self):
+    config = parse(f"--config={GLM}", "--config.defaults.speculative.strategy=ngram-simple",
+                   "--config.models.glm.speculative.strategy=mtp-cache")
+    self.assertEqual(speculative.strategy_from_config(config, "glm"),
+                     ("mtp-cache", "models.glm.speculative.strategy"))
+    config.models.glm.speculative.strategy = None
+    self.assertEqual(speculative.strategy_from_config(config, "glm"),
+                     ("ngram-simple", "defaults.speculative.strategy"))
 
   def test_unknown_fields_are_rejected(self):
     for override in ("--config.defaults.speculative.mode=ngram",

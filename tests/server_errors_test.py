@@ -185,7 +185,8 @@ class StartupErrorTest(parameterized.TestCase):
   @parameterized.named_parameters(
       ("real_variant_without_source", ("--config=configs/glm.py:glm-4.7",),
        "model.source is unset"),
-      ("bad_strategy", ("--config=configs/glm.py", "--config.defaults.speculative.strategy=ngram"),
+      ("bad_strategy", ("--config=configs/glm.py",
+                        "--config.defaults.speculative.strategy=ngram/simple"),
        "defaults.speculative.strategy must be one of: auto, native-mtp-n1, disabled"),
       ("missing_source_path", ("--config=configs/glm.py", "--config.model.source=/nonexistent"),
        "/nonexistent does not exist"),

@@ -55,6 +55,7 @@ class ServerMetrics:
                                   "resolution", registry=r)
     info.info({"model": model_name, "native_mtp": str(settings.native_mtp).lower(),
                "speculative_strategy": settings.speculative_strategy,
+               "speculative_type": settings.speculative_type,
                "speculative_reason": settings.speculative_reason})
     prometheus_client.Gauge("mtpjax_slots", "decode slots (engine.slots)",
                             registry=r).set(settings.slots)
