@@ -227,13 +227,15 @@ def _extension_settings(policy: ExtensionPolicy | None,
                         extender: NgramSettings) -> ExtensionSettings:
   """Fields a newer writer left out get upstream's defaults; without a policy (a hand-built
   manifest: the parser requires one) the tail may be as long as the extender proposes."""
-  most = extender.max_proposal_tokens if policy is None else policy.max_tokens
-  first = None if policy is None else policy.initial_tokens
-  backoff = None if policy is None else policy.tail_backoff_proposals
+  if policy is None:
+    policy = ExtensionPolicy(max_tokens=extender.max_proposal_tokens)
+  first, backoff = policy.initial_tokens, policy.tail_backoff_proposals
   return ExtensionSettings(
-      max_tokens=most, initial_tokens=min(DEFAULT_INITIAL_TAIL_TOKENS, most) if first is None
+      max_tokens=policy.max_tokens,
+      initial_tokens=min(DEFAULT_INITIAL_TAIL_TOKENS, policy.max_tokens) if first is None
       else first,
       tail_backoff_proposals=DEFAULT_TAIL_BACKOFF_PROPOSALS if backoff is None else backoff)
+
 
 def _nextn_layers(tensor_names: Iterable[str]) -> dict[int, set[str]]:
   """Layer index -> NextN tensor names found in that layer."""
