@@ -6,7 +6,7 @@ from absl.testing import absltest
 
 from mtpjax import speculative
 from mtpjax.engine import composite, ngram
-from mtpjax.engine.composite import CompositeDraft, TailExtension
+from mtpjax.engine.composite import CompositeDraft, NgramDrafter, TailExtension
 
 
 def _extension(max_tokens=4, initial_tokens=2, backoff=2) -> TailExtension:
@@ -87,6 +87,51 @@ class ComposeDraftTest(absltest.TestCase):
   def test_without_mtp_tokens_the_proposer_drafts_alone(self):
     draft = composite.compose_draft([], self.proposer, _extension(max_tokens=3), window=8)
     self.assertEqual((draft.tokens, draft.mtp_count), ((9, 1, 7), 0))
+
+
+def _resolution(strategy):
+  """A real resolution on a direct GGUF without a NextN head."""
+  return speculative.resolve_speculative(
+      model_id="m", requested=strategy, scope="test", source_kind="gguf",
+      manifest=None, layer_count=2, gguf_metadata={"general.architecture": "glm4moe"},
+      tensor_names=["blk.0.attn_norm.weight", "blk.1.attn_norm.weight"], env={})
+
+
+class NgramDrafterTest(absltest.TestCase):
+  """A decode loop against a known target stream, driven the way the engine will drive it."""
+
+  TARGET = [7, 8, 9, 1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 2]
+
+  def run_loop(self, drafter, mtp_oracle_tokens: int, window: int = 4):
+    """Each verify pass accepts the longest correct draft prefix and commits one more target
+    token; returns the passes. The proposer's history must always be the committed stream."""
+    committed, passes = 3, 0                              # a 3-token prompt
+    while committed < len(self.TARGET):
+      truth = self.TARGET[committed:]
+      draft = drafter.draft(window, mtp_tokens=truth[:mtp_oracle_tokens])
+      accepted = 0
+      while accepted < min(len(draft.tokens), len(truth) - 1) and (
+          draft.tokens[accepted] == truth[accepted]):
+        accepted += 1
+      drafter.verified(draft, accepted, truth[:accepted + 1])
+      committed += accepted + 1
+      passes += 1
+      self.assertEqual(drafter.proposer.tokens, self.TARGET[:committed])
+    return passes
+
+  def test_ngram_strategy(self):
+    drafter = NgramDrafter.for_request(_resolution("ngram-simple"), self.TARGET[:3])
+    self.assertIsNone(drafter.extension)
+    self.assertLess(self.run_loop(drafter, mtp_oracle_tokens=0), len(self.TARGET) - 3)
+
+  def test_composite_extends_a_correct_mtp_token(self):
+    settings = speculative.NgramSettings("ngram-simple", 2, 2, 8, source="test")
+    drafter = NgramDrafter(settings, speculative.ExtensionSettings(3, 2, 1), self.TARGET[:3])
+    # MTP alone, one correct token per pass, commits 2 tokens a pass: 12 passes for the 24.
+    self.assertLess(self.run_loop(drafter, mtp_oracle_tokens=1), 12)
+
+  def test_no_ngram_proposer_no_drafter(self):
+    self.assertIsNone(NgramDrafter.for_request(_resolution("disabled"), [1, 2]))
 
 
 if __name__ == "__main__":

@@ -207,6 +207,8 @@ class ServerTest(ServerTestBase):
     self.assertEqual(card["speculative"]["scope"], "built-in default")
     self.assertEqual(card["speculative"]["mtp_layer_index"], embedded_tiny.EMBEDDED_SPEC.nextn_block)
     self.assertIn("native-mtp-n1", card["speculative"]["reason"])
+    self.assertEqual((card["speculative"]["type"], card["speculative"]["strategy_id"],
+                      card["speculative"]["ngram"]), ("native-mtp", "native-mtp-n1", None))
     self.assertEqual(card["max_model_len"], 1024)
     self.assertEqual(self.client.models.retrieve(MODEL).id, MODEL)
     self.assertEqual(self.http.get("/health").json()["status"], "ok")
@@ -403,7 +405,9 @@ class MtpOffServerTest(ServerTestBase):
     self.assertEqual(card["speculative"]["strategy"], "disabled")
     self.assertEqual(card["speculative"]["scope"], "defaults.speculative.strategy")
     self.assertIn("disabled", card["speculative"]["reason"])
+    self.assertIsNone(card["speculative"]["type"])
     self.assertIn("native MTP off", self.server.log())
+    self.assertIn("speculative drafting: {'type': None", self.server.log())
 
   def test_greedy_answers_equal_the_mtp_reference(self):
     eos = self.tokenizer.special_ids["eos"]
@@ -488,7 +492,8 @@ class MtpOffServerTest(ServerTestBase):
     self.assertEqual(metric(text, "mtpjax_native_mtp_accept_rate"), 0)
     self.assertIn("mtpjax_native_mtp_accept_rate", text)
     self.assertGreater(metric(text, "mtpjax_native_mtp_target_passes"), 0)
-    self.assertEqual(metric(text, "mtpjax_model_info", native_mtp="false"), 1)
+    self.assertEqual(metric(text, "mtpjax_model_info", native_mtp="false",
+                            speculative_type="off"), 1)
 
 
 class EmbeddedPackageTest(absltest.TestCase):

@@ -1,10 +1,11 @@
-"""The composite strategy's draft: native MTP first, an n-gram tail after it (SPECULATIVE.md §11).
+"""Host drafting for one request: an n-gram proposer alone, or a composite's n-gram tail after
+the native-MTP draft (SPECULATIVE.md §11).
 
 The n-gram tail is a cheap bet on top of a healthy MTP draft, so it starts short
 (`initial_tokens`), grows by one after each fully accepted draft up to `max_tokens`, and after
 a failed tail (the target took every MTP token but not the whole tail) drops back to
 `initial_tokens` and sits out the next `tail_backoff_proposals` drafts. A rejection inside the
-MTP part says nothing about the tail and changes nothing here. One `TailExtension` per request.
+MTP part says nothing about the tail and changes nothing here. One `NgramDrafter` per request holds the proposer and, for a composite, its `TailExtension`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from mtpjax.engine.ngram import NgramProposer
+from mtpjax.engine.ngram import NgramProposer, proposer_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,3 +76,37 @@ def compose_draft(mtp_tokens: Sequence[int], proposer: NgramProposer, extension:
   room = min(window - len(mtp), extension.budget(len(mtp)))
   tail = proposer.propose(room, prefix=mtp) if room > 0 else []
   return CompositeDraft(tokens=mtp + tuple(tail), mtp_count=len(mtp))
+
+
+class NgramDrafter:
+  """What the draft step calls for one request: `draft` before a verify pass, `verified` after
+  it, `commit` for tokens committed without a draft (the prompt, a step that drafted nothing)."""
+
+  def __init__(self, ngram_settings, extension_settings=None, prompt: Sequence[int] = ()):
+    self.proposer = proposer_for(ngram_settings)
+    self.extension = (None if extension_settings is None
+                      else TailExtension.from_settings(extension_settings))
+    self.proposer.commit(prompt)
+
+  @classmethod
+  def for_request(cls, resolution, prompt: Sequence[int]) -> NgramDrafter | None:
+    """None when the resolution drafts without an n-gram proposer (native MTP alone, or off)."""
+    if resolution.ngram is None:
+      return None
+    return cls(resolution.ngram, resolution.extension, prompt)
+
+  def draft(self, window: int, mtp_tokens: Sequence[int] = ()) -> CompositeDraft:
+    """Up to `window` tokens: the MTP tokens (composite only) and the n-gram tokens after them."""
+    if self.extension is None:
+      return CompositeDraft(tokens=tuple(self.proposer.propose(window)), mtp_count=0)
+    return compose_draft(mtp_tokens, self.proposer, self.extension, window)
+
+  def verified(self, draft: CompositeDraft, accepted: int, committed: Sequence[int]) -> None:
+    """The target accepted `accepted` draft tokens and committed `committed` (the accepted ones
+    and its own next token)."""
+    if self.extension is not None:
+      self.extension.observe(draft, accepted)
+    self.proposer.commit(committed)
+
+  def commit(self, tokens: Sequence[int]) -> None:
+    self.proposer.commit(tokens)

@@ -78,8 +78,8 @@ def build_service(config) -> Service:
   model = mtpjax.load(source, dtype=config.model.dtype, config=config)
   resolution = model.resolution
   logging.info("loaded %s in %.1f s", source, time.perf_counter() - started)
-  logging.info("native MTP %s, drafting %s: %s", "on" if resolution.native_mtp else "off",
-               resolution.summary(), resolution.reason)
+  logging.info("native MTP %s: %s", "on" if resolution.native_mtp else "off", resolution.reason)
+  logging.info("speculative drafting: %s", resolution.summary())
 
   settings = model.generation_settings
   engine = model.engine(native_mtp=settings.native_mtp, slots=settings.slots,
