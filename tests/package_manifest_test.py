@@ -48,8 +48,11 @@ def _draft_model_default(manifest):
 
 # (case name, mutation, code, message substring)
 _ERROR_CASES = [
-    ("schema_v2", _set(("schema_version",), 2), "unsupported_schema_version",
-     "unsupported package manifest schema_version 2"),
+    ("schema_v3", _set(("schema_version",), 3), "unsupported_schema_version",
+     "unsupported package manifest schema_version 3"),
+    # a v1 body stamped 2 is read as a v2 root, which rejects the v1-only fields
+    ("schema_v2_with_v1_body", _set(("schema_version",), 2), "unknown_field",
+     "unknown field 'layers'"),
     ("schema_string", _set(("schema_version",), "1"), "unsupported_schema_version",
      "unsupported package manifest schema_version 1"),
     ("format", _set(("format",), "gguf"), "invalid_format",

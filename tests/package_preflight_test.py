@@ -190,7 +190,7 @@ class ExamplePackageTest(absltest.TestCase):
     self.assertEqual((report["valid"], _codes(report)), (False, ["missing_manifest"]))
     (empty / "model-package.json").write_text("{ nope")
     self.assertEqual(_codes(preflight(empty)), ["invalid_manifest_json"])
-    root = self._with(lambda manifest: manifest.update(schema_version=2))
+    root = self._with(lambda manifest: manifest.update(schema_version=3))
     report = preflight(root)
     self.assertEqual(_codes(report), ["unsupported_schema_version"])
     self.assertEqual(report["artifacts"], [])

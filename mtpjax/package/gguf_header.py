@@ -52,13 +52,16 @@ class HeaderLayout:
   data_offset: int
   file_bytes: int
   tensors: tuple[TensorExtent, ...]
+  keys: tuple[tuple[str, int, int], ...] = ()   # (key, value type, offset of its value)
 
 
 class _Walk:
   """One pass over the header bytes; every read is checked against the file's end first."""
 
-  def __init__(self, buffer, path: str):
+  def __init__(self, buffer, path: str, payload_free: bool = False):
     self.buffer, self.path, self.size = buffer, path, len(buffer)
+    self.payload_free = payload_free
+    self.keys: list[tuple[str, int, int]] = []
 
   def error(self, message: str, field: str | None = None,
             remedy: str = _REMEDY) -> errors.PackageError:
@@ -147,6 +150,7 @@ class _Walk:
         raise self.error(f"metadata key {key} appears twice", key)
       seen.add(key)
       (value_type,), offset = self.take("<I", offset, key, f"the value type of {key}")
+      self.keys.append((key, value_type, offset))
       if key == "general.alignment":
         if value_type != _VT.UINT32:
           raise self.error("general.alignment must be a UINT32", key)
@@ -180,7 +184,7 @@ class _Walk:
     elements = 1
     for dim in ne:      # Python ints: no overflow, and each dim >= 1 so the product only grows
       elements *= dim
-      if elements // block * type_bytes > self.size:
+      if elements // block * type_bytes > (1 << 63 if self.payload_free else self.size):
         raise self.error(f"tensor {name} of type {ggml_type.name} and shape {list(ne)} needs "
                          f"more bytes than the whole file has ({self.size})", name)
     if relative % alignment:
@@ -218,9 +222,15 @@ class _Walk:
     data_offset = -(-offset // alignment) * alignment
     extents = tuple(TensorExtent(name, kind, ne, data_offset + relative, n_bytes)
                     for name, kind, ne, relative, n_bytes in infos)
-    self._check_ranges(extents)
+    if self.payload_free:
+      if self.size != data_offset:
+        raise self.error(f"a payload-free metadata carrier must end at its data offset "
+                         f"{data_offset}, but the file has {self.size} bytes (it carries tensor "
+                         "payload bytes)", "GGUF.data_offset")
+    else:
+      self._check_ranges(extents)
     return HeaderLayout(version=version, alignment=alignment, data_offset=data_offset,
-                        file_bytes=self.size, tensors=extents)
+                        file_bytes=self.size, tensors=extents, keys=tuple(self.keys))
 
   @staticmethod
   def _after_info(offset: int, info: tuple) -> int:
@@ -241,11 +251,19 @@ class _Walk:
       previous = extent
 
 
-def check_header(path: str | os.PathLike) -> HeaderLayout:
+def walk_header(buffer, path: str | os.PathLike, *, payload_free: bool = False) -> HeaderLayout:
+  """`check_header` over bytes already in memory (the carrier, hashed in the same read)."""
+  if len(buffer) == 0:
+    raise errors.PackageError(f"GGUF {path} is empty", path=str(path), remedy=_REMEDY)
+  return _Walk(buffer, str(path), payload_free).walk()
+
+
+def check_header(path: str | os.PathLike, *, payload_free: bool = False) -> HeaderLayout:
   """The header's layout, every count, length and tensor range checked against the file size.
 
   Raises PackageError (naming the file, the key or tensor, and a remedy) on anything a reader
-  could not safely allocate or map.
+  could not safely allocate or map. `payload_free`: a v2 metadata carrier, whose tensor
+  directory describes bytes stored elsewhere: the file must end exactly at its data offset.
   """
   path = pathlib.Path(path)
   try:
@@ -254,7 +272,7 @@ def check_header(path: str | os.PathLike) -> HeaderLayout:
       if size == 0:
         raise errors.PackageError(f"GGUF {path} is empty", path=str(path), remedy=_REMEDY)
       with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
-        return _Walk(buffer, str(path)).walk()
+        return _Walk(buffer, str(path), payload_free).walk()
   except OSError as error:
     raise errors.PackageError(f"cannot read GGUF {path}: {error}", path=str(path),
                               remedy="check that the file exists and is readable") from error

@@ -83,6 +83,17 @@ class _Walker:
     return items, offset
 
 
+def decode_key_value(buffer: memoryview, key: str, value_type: int, value_offset: int,
+                     path: str | pathlib.Path) -> KeyValue:
+  """One key/value whose value starts at `value_offset` (after its type tag)."""
+  try:
+    value, end = _Walker(buffer, key, str(path)).value(value_offset, value_type)
+  except (struct.error, ValueError) as error:
+    raise errors.PackageError(f"GGUF metadata {key} cannot be decoded: {error}", path=str(path),
+                              field=key, remedy="re-export the GGUF") from error
+  return KeyValue(key, _VT(value_type), value, bytes(buffer[value_offset:end]))
+
+
 def read_key_values(reader: gguf.GGUFReader, path: str | pathlib.Path) -> list[KeyValue]:
   """Every real key/value of an opened GGUF in file order (the `GGUF.*` pseudo keys excluded)."""
   buffer = memoryview(reader.data)
@@ -93,10 +104,5 @@ def read_key_values(reader: gguf.GGUFReader, path: str | pathlib.Path) -> list[K
     (key_length,) = struct.unpack_from("<Q", buffer, field.offset)
     type_offset = field.offset + 8 + key_length
     (value_type,) = struct.unpack_from("<I", buffer, type_offset)
-    try:
-      value, end = _Walker(buffer, name, str(path)).value(type_offset + 4, value_type)
-    except (struct.error, ValueError) as error:
-      raise errors.PackageError(f"GGUF metadata {name} cannot be decoded: {error}", path=str(path),
-                                field=name, remedy="re-export the GGUF") from error
-    found.append(KeyValue(name, _VT(value_type), value, bytes(buffer[type_offset + 4:end])))
+    found.append(decode_key_value(buffer, name, value_type, type_offset + 4, path))
   return found

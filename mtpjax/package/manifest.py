@@ -1,158 +1,32 @@
-"""The v1 layer-package manifest (`model-package.json`) as typed dataclasses.
+"""The layer-package manifest (`model-package.json`): validation and parsing, every schema.
 
-Parsing and validation live here too (see ../shared/design/LAYER_PACKAGES.md §2, §5).
+v1 is validated and parsed here (LAYER_PACKAGES.md §2, §5); a v2 root and its metadata carrier
+(§10) go to `manifest_v2`, dispatched on `schema_version` in `manifest_issues` and
+`parse_manifest` only. Both give the same `Manifest` (`manifest_types`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import pathlib
 import re
-from typing import Any
 
 from mtpjax import errors
-from mtpjax.package import generation_rules, integrity
+from mtpjax.package import generation_rules, integrity, manifest_types, manifest_v2
+# The types live in manifest_types (both schemas build them); callers keep reading them here.
+from mtpjax.package.manifest_types import (  # noqa: F401
+    Artifact, ExtensionPolicy, Generation, HfReference, Manifest, Proposer, SourceFile,
+    SourceModel, SpeculativeDecoding, Strategy, TensorLocation, WindowPolicy)
 from mtpjax.package.issues import WARNING, errors_of, is_blank, is_int, issue
 
 PACKAGE_ABI_VERSION = (0, 1, 0)
 MANIFEST_NAME = "model-package.json"
 FORMAT = "layer-package"
 SHARED_ROLES = ("metadata", "embeddings", "output")
-NATIVE_MTP_TYPE = generation_rules.NATIVE_MTP_TYPE
+NATIVE_MTP_TYPE = manifest_types.NATIVE_MTP_TYPE
 PROJECTOR_KIND = "mmproj"
 HF_SCHEME = "hf://"
-
-
-@dataclasses.dataclass(frozen=True)
-class SourceFile:
-  path: str
-  size_bytes: int | None = None
-  sha256: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class SourceModel:
-  path: str
-  sha256: str
-  repo: str | None = None
-  revision: str | None = None
-  primary_file: str | None = None
-  canonical_ref: str | None = None
-  distribution_id: str | None = None
-  files: tuple[SourceFile, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class Artifact:
-  """One GGUF fragment: `shared.*`, `layers[]` or `projectors[]`."""
-  role: str                    # "metadata" | "embeddings" | "output" | "layer" | "projector"
-  path: str
-  tensor_count: int
-  tensor_bytes: int
-  artifact_bytes: int
-  sha256: str
-  layer_index: int | None = None
-  kind: str | None = None      # projectors only: "mmproj"
-
-
-@dataclasses.dataclass(frozen=True)
-class WindowPolicy:
-  default: str
-  initial_window: int
-  min_window: int
-  max_window: int
-  pipeline_depth: int | None = None      # newer packages: verify windows in flight
-
-
-@dataclasses.dataclass(frozen=True)
-class ExtensionPolicy:
-  """How far a composite's n-gram extender continues the primary's draft, and when it backs off
-  (older writers always wrote all three fields, newer ones only `max_tokens`)."""
-  max_tokens: int
-  initial_tokens: int | None = None
-  tail_backoff_proposals: int | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Strategy:
-  """One package strategy, whichever era's form declared it.
-
-  `prediction_depth` and `layer_indices` describe its native-MTP drafting: inline, taken from
-  its `proposer`, or from a composite's `primary`; they stay empty for n-gram strategies. A type
-  mtpjax does not know keeps only its name and type (`known` is False): its fields are ignored.
-  """
-  name: str
-  type: str
-  prediction_depth: int | None = None
-  layer_indices: tuple[int, ...] = ()
-  window_policy: WindowPolicy | None = None
-  proposer: str | None = None
-  primary: str | None = None
-  extender: str | None = None
-  extension_policy: ExtensionPolicy | None = None
-
-  @property
-  def known(self) -> bool:
-    return self.type in generation_rules.STRATEGY_TYPES
-
-  @property
-  def uses_native_mtp(self) -> bool:
-    """True when the NextN head drafts (alone, or as a composite's primary)."""
-    return self.type in (NATIVE_MTP_TYPE, generation_rules.COMPOSITE_TYPE)
-
-
-@dataclasses.dataclass(frozen=True)
-class Proposer:
-  name: str
-  type: str
-  prediction_depth: int | None = None
-  layer_indices: tuple[int, ...] = ()
-  ngram_min: int | None = None
-  ngram_max: int | None = None
-  max_proposal_tokens: int | None = None
-  history_scope: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class SpeculativeDecoding:
-  default: str
-  strategies: dict[str, Strategy]
-  proposers: dict[str, Proposer] = dataclasses.field(default_factory=dict)
-
-  def ngram_proposer(self, strategy: Strategy) -> Proposer | None:
-    """The n-gram proposer a strategy drafts with: its `proposer` for an n-gram type, its
-    `extender` for a composite; None for native MTP alone and for unknown types."""
-    if strategy.type in generation_rules.NGRAM_TYPES:
-      return self.proposers.get(strategy.proposer)
-    if strategy.type == generation_rules.COMPOSITE_TYPE:
-      return self.proposers.get(strategy.extender)
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class Generation:
-  speculative_decoding: SpeculativeDecoding | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Manifest:
-  schema_version: int
-  model_id: str
-  source_model: SourceModel
-  format: str
-  layer_count: int
-  activation_width: int | None
-  shared_metadata: Artifact
-  shared_embeddings: Artifact
-  shared_output: Artifact
-  layers: tuple[Artifact, ...]          # sorted by layer_index
-  skippy_abi_version: str
-  generation: Generation | None = None
-  projectors: tuple[Artifact, ...] = ()
-  created_at_unix_secs: int | None = None
-  raw: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 # --- ABI (§2.6) -------------------------------------------------------------------------------
@@ -328,7 +202,8 @@ def _projector_issues(projectors: object, package_root: pathlib.Path | None) -> 
 
 
 def manifest_issues(raw: object, package_root: pathlib.Path | None = None) -> list[dict]:
-  """Every problem of a v1 manifest, as preflight issues (errors and warnings).
+  """Every problem of a manifest, as preflight issues (errors and warnings); for v2 with
+  `package_root`, its metadata carrier's too.
 
   With `package_root`, artifact paths are also resolved against it so that a symlink leaving the
   package is caught. File presence, sizes and hashes are checked by `integrity.inspect_part`.
@@ -337,12 +212,18 @@ def manifest_issues(raw: object, package_root: pathlib.Path | None = None) -> li
     return [issue("invalid_manifest_json", "package manifest must be a JSON object")]
   root = None if package_root is None else pathlib.Path(package_root)
   schema = raw.get("schema_version")
+  if schema == manifest_v2.SCHEMA_VERSION and is_int(schema):
+    found = manifest_v2.root_issues(raw, root)
+    if root is not None and not errors_of(found):
+      try:
+        found.extend(manifest_v2.resolve(raw, root)[1])
+      except errors.MtpjaxError as error:      # the carrier is missing, corrupt or not a GGUF
+        found.append(issue("invalid_metadata_artifact", error.message,
+                           path="source_model.metadata_artifact_id"))
+    return found
   if schema != 1 or not is_int(schema):
-    message = f"unsupported package manifest schema_version {schema}"
-    if schema == 2:
-      message += ("; schema v2 (artifact_catalog, metadata carrier) is not supported yet, see "
-                  "LAYER_PACKAGES.md §10")
-    return [issue("unsupported_schema_version", message)]
+    return [issue("unsupported_schema_version",
+                  f"unsupported package manifest schema_version {schema} (mtpjax reads 1 and 2)")]
   found = []
   if raw.get("format") != FORMAT:
     found.append(issue("invalid_format", "package manifest format must be layer-package"))
@@ -429,59 +310,6 @@ def _artifact(entry: dict, role: str) -> Artifact:
                   kind=entry.get("kind"))
 
 
-def _window_policy(policy: dict | None) -> WindowPolicy | None:
-  if policy is None:
-    return None
-  return WindowPolicy(default=policy["default"], initial_window=policy["initial_window"],
-                      min_window=policy["min_window"], max_window=policy["max_window"],
-                      pipeline_depth=policy.get("pipeline_depth"))
-
-
-def _proposer(name: str, body: dict) -> Proposer:
-  """A validated proposer; only the fields its type defines are read (the others are unchecked)."""
-  kind = body["type"]
-  if kind == NATIVE_MTP_TYPE:
-    return Proposer(name=name, type=kind, prediction_depth=body["prediction_depth"],
-                    layer_indices=tuple(body["layer_indices"]))
-  if kind not in generation_rules.NGRAM_TYPES:
-    return Proposer(name=name, type=kind)
-  scope = body.get("history_scope")
-  return Proposer(name=name, type=kind, ngram_min=body["ngram_min"], ngram_max=body["ngram_max"],
-                  max_proposal_tokens=body["max_proposal_tokens"],
-                  history_scope=scope if isinstance(scope, str) else None)
-
-
-def _strategy(name: str, body: dict, proposers: dict[str, Proposer]) -> Strategy:
-  """A validated strategy, its native-MTP depth and layers taken from wherever they live."""
-  kind = body["type"]
-  if kind not in generation_rules.STRATEGY_TYPES:
-    return Strategy(name=name, type=kind)
-  composite = kind == generation_rules.COMPOSITE_TYPE
-  source = body["primary"] if composite else body.get("proposer")
-  if source is not None:
-    depth, layers = proposers[source].prediction_depth, proposers[source].layer_indices
-  else:                                   # only native-mtp strategies are valid without one
-    depth, layers = body["prediction_depth"], tuple(body["layer_indices"])
-  extension = body.get("extension_policy")
-  return Strategy(
-      name=name, type=kind, prediction_depth=depth, layer_indices=layers,
-      window_policy=_window_policy(body.get("window_policy")), proposer=body.get("proposer"),
-      primary=body["primary"] if composite else None,
-      extender=body["extender"] if composite else None,
-      extension_policy=None if extension is None else ExtensionPolicy(
-          max_tokens=extension["max_tokens"], initial_tokens=extension.get("initial_tokens"),
-          tail_backoff_proposals=extension.get("tail_backoff_proposals")))
-
-
-def _speculative(raw: dict | None) -> SpeculativeDecoding | None:
-  if raw is None:
-    return None
-  proposers = {name: _proposer(name, body) for name, body in (raw.get("proposers") or {}).items()}
-  strategies = {name: _strategy(name, body, proposers)
-                for name, body in (raw.get("strategies") or {}).items()}
-  return SpeculativeDecoding(default=raw["default"], strategies=strategies, proposers=proposers)
-
-
 def _source_model(raw: dict) -> SourceModel:
   files = tuple(SourceFile(path=entry["path"], size_bytes=entry.get("size_bytes"),
                            sha256=entry.get("sha256")) for entry in raw.get("files") or ())
@@ -493,13 +321,16 @@ def _source_model(raw: dict) -> SourceModel:
 
 def parse_manifest(data: dict | bytes, *, path: str | pathlib.Path,
                    package_root: pathlib.Path | None = None) -> Manifest:
-  """Validates a v1 manifest (raw bytes or decoded JSON) and returns it typed.
+  """Validates a manifest (raw bytes or decoded JSON) and returns it typed.
 
   Raises one ManifestError carrying every error issue. A strategy that names a native-MTP
   proposer (or a composite's primary) carries that proposer's depth and layers, so every era's
-  form reads the same through `Strategy`.
+  form reads the same through `Strategy`. A v2 root needs `package_root`: its metadata carrier
+  is read (and hashed) to build the Manifest; a corrupt carrier raises IntegrityError.
   """
   raw = _decode_json(data, str(path))
+  if isinstance(raw, dict) and raw.get("schema_version") == manifest_v2.SCHEMA_VERSION:
+    return _parse_v2(raw, str(path), package_root)
   found = manifest_issues(raw, package_root)
   if errors_of(found):
     raise manifest_error(str(path), found)
@@ -515,9 +346,22 @@ def parse_manifest(data: dict | bytes, *, path: str | pathlib.Path,
                           key=lambda artifact: artifact.layer_index)),
       skippy_abi_version=raw["skippy_abi_version"],
       generation=None if generation is None else Generation(
-          speculative_decoding=_speculative(generation.get("speculative_decoding"))),
+          speculative_decoding=manifest_types.parse_speculative(generation.get("speculative_decoding"))),
       projectors=tuple(_artifact(entry, "projector") for entry in raw.get("projectors") or ()),
       created_at_unix_secs=raw.get("created_at_unix_secs"), raw=raw)
+
+
+def _parse_v2(raw: dict, path: str, package_root: pathlib.Path | None) -> Manifest:
+  root = None if package_root is None else pathlib.Path(package_root)
+  found = manifest_v2.root_issues(raw, root)
+  if not errors_of(found) and root is None:
+    found = [issue("invalid_metadata_artifact", "a schema v2 manifest is read with its package "
+                   "directory: its metadata carrier holds the tensors and model metadata")]
+  elif not errors_of(found):
+    manifest, found = manifest_v2.resolve(raw, root)
+    if manifest is not None:
+      return manifest
+  raise manifest_error(path, found)
 
 
 def read_manifest(package_dir: str | pathlib.Path) -> tuple[Manifest, str]:
@@ -547,12 +391,6 @@ def source_size_bytes(source: SourceModel) -> int | None:
 
 
 # --- hf:// references (§2.5; parsed only, downloads come later) --------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class HfReference:
-  repo: str                  # "namespace/repo"
-  revision: str | None = None
-
 
 def parse_hf_reference(ref: str) -> HfReference:
   """`hf://ns/repo`, `hf://ns/repo:rev` or `hf://ns/repo@rev` (`@` wins, else the last `:`)."""

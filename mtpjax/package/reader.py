@@ -22,20 +22,9 @@ from mtpjax import errors
 from mtpjax.package import gguf_header, integrity, manifest as manifest_lib, planning
 from mtpjax.package.gguf_kv import KeyValue, read_key_values
 from mtpjax.package.issues import is_int
+from mtpjax.package.roles import (OWNED_ROLES, ROLE_EMBEDDING, ROLE_FINAL_NORM, ROLE_LAYER,  # noqa: F401
+                                  ROLE_METADATA, ROLE_OUTPUT, stage_selects, tensor_role)
 
-ROLE_LAYER = "layer"
-ROLE_EMBEDDING = "embedding"
-ROLE_OUTPUT = "output"
-ROLE_FINAL_NORM = "final_norm"
-ROLE_METADATA = "metadata"
-OWNED_ROLES = frozenset({ROLE_LAYER, ROLE_EMBEDDING, ROLE_OUTPUT, ROLE_FINAL_NORM})
-
-EMBEDDING_NAMES = frozenset({"token_embd.weight", "per_layer_token_embd.weight"})
-OUTPUT_NAMES = frozenset({"output.weight", "output.bias"})
-FINAL_NORM_NAMES = frozenset({"output_norm.weight", "output_norm.bias"})
-
-_LAYER_NAME = re.compile(r"blk\.([0-9]+)\.")
-_CACHE_NAME = re.compile(r"cache_.*_l([0-9]+)")
 _SPLIT_NAME = re.compile(r"(?P<prefix>.+)-(?P<index>[0-9]{5})-of-(?P<count>[0-9]{5})\.gguf")
 VERIFY_MODES = ("size", "sha256")
 
@@ -47,33 +36,6 @@ class TensorInfo:
   ne: tuple[int, ...]      # GGUF order, fastest axis first; the numpy shape is reversed(ne)
   n_bytes: int
   path: str                # the file that holds it
-
-
-def tensor_role(name: str) -> tuple[str, int | None]:
-  """(role, layer index) by name, as upstream's stage runtime classifies tensors (§3)."""
-  match = _LAYER_NAME.match(name) or _CACHE_NAME.fullmatch(name)
-  if match:
-    return ROLE_LAYER, int(match.group(1))
-  if name in EMBEDDING_NAMES:
-    return ROLE_EMBEDDING, None
-  if name in OUTPUT_NAMES:
-    return ROLE_OUTPUT, None
-  if name in FINAL_NORM_NAMES:
-    return ROLE_FINAL_NORM, None
-  return ROLE_METADATA, None
-
-
-def stage_selects(name: str, layer_start: int, layer_end: int, *, embeddings: bool,
-                  output: bool) -> bool:
-  """Whether a fragment for layers [start, end) with flags E/O holds this tensor (§3)."""
-  role, index = tensor_role(name)
-  if role == ROLE_LAYER:
-    return layer_start <= index < layer_end
-  if role == ROLE_EMBEDDING:
-    return embeddings
-  if role in (ROLE_OUTPUT, ROLE_FINAL_NORM):
-    return output
-  return True
 
 
 def infer_activation_width(tensors: Iterable[TensorInfo]) -> int:
