@@ -130,6 +130,24 @@ def _generation_echo(generation: object) -> object:
   return {"speculative_decoding": echo}
 
 
+def _v1_shaped(manifest: manifest_lib.Manifest) -> dict:
+  """A parsed v2 package's artifacts in the v1 layout the report is built from: the carrier as
+  `metadata`, the payload artifacts in the slots their tensors fill."""
+  def entry(artifact: manifest_lib.Artifact) -> dict:
+    return {"path": artifact.path, "artifact_bytes": artifact.artifact_bytes,
+            "sha256": artifact.sha256, "layer_index": artifact.layer_index}
+  values = {item.key: item.value for item in manifest.carrier_key_values}
+  width = values.get(f"{values.get('general.architecture')}.embedding_length")
+  return {"schema_version": manifest.schema_version, "model_id": manifest.model_id,
+          "layer_count": manifest.layer_count, "activation_width": width,
+          "generation": manifest.raw.get("generation"),
+          "shared": {"metadata": entry(manifest.shared_metadata),
+                     "embeddings": entry(manifest.shared_embeddings),
+                     "output": entry(manifest.shared_output)},
+          "layers": [entry(layer) for layer in manifest.layers],
+          "projectors": [entry(projector) for projector in manifest.projectors]}
+
+
 def preflight(package_dir: str | pathlib.Path, *, stages: int | None = None,
               check_sha: bool = False) -> dict:
   """The §7 report for a package directory; `valid` is false iff an issue is an error."""
@@ -151,7 +169,9 @@ def preflight(package_dir: str | pathlib.Path, *, stages: int | None = None,
       found.append(record)
     else:
       found.extend(manifest_lib.manifest_issues(raw, root))
-  usable = isinstance(raw, dict) and raw.get("schema_version") == 1
+  if isinstance(raw, dict) and raw.get("schema_version") == 2 and not errors_of(found):
+    raw = _v1_shaped(manifest_lib.parse_manifest(raw, path=manifest_path, package_root=root))
+  usable = isinstance(raw, dict) and raw.get("schema_version") in (1, 2)
   fields = {"model_id": None, "layer_count": None, "activation_width": None}
   if usable:
     fields["model_id"] = raw.get("model_id") if isinstance(raw.get("model_id"), str) else None

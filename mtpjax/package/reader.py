@@ -104,11 +104,16 @@ class _Part:
 
 
 class _OpenFile:
-  def __init__(self, reader: gguf.GGUFReader, part: _Part | None = None):
+  def __init__(self, reader: gguf.GGUFReader, part: _Part | None = None,
+               located: dict[str, manifest_lib.TensorLocation] | None = None):
     """`part`: a package artifact, whose manifest tensor_count / tensor_bytes must describe the
-    file (a type id rewritten to a smaller type would otherwise still fit its byte range)."""
+    file (a type id rewritten to a smaller type would otherwise still fit its byte range).
+    `located`: a v2 payload artifact's tensors as the carrier's locator places them; the file's
+    own directory must agree entry for entry (name, type, shape, byte range)."""
     self.reader = reader
     self.index = {tensor.name: tensor for tensor in reader.tensors}
+    if located is not None:
+      _check_located(self.index, located, part)
     if part is not None and part.artifact is not None:
       found = (len(reader.tensors), sum(int(tensor.n_bytes) for tensor in reader.tensors))
       declared = (part.artifact.tensor_count, part.artifact.tensor_bytes)
@@ -117,6 +122,21 @@ class _OpenFile:
             f"package artifact {part.path} holds {found[0]} tensors of {found[1]} bytes, but the "
             f"manifest says {declared[0]} of {declared[1]}", path=str(part.path),
             field=part.label, remedy="re-download the package or re-split the source GGUF")
+
+
+def _check_located(index: dict[str, Any], located: dict[str, manifest_lib.TensorLocation],
+                   part: _Part) -> None:
+  found = {name: (int(tensor.tensor_type), tuple(int(dim) for dim in tensor.shape),
+                  int(tensor.data_offset), int(tensor.n_bytes)) for name, tensor in index.items()}
+  expected = {name: (where.ggml_type, where.ne, where.start, where.n_bytes)
+              for name, where in located.items()}
+  if found != expected:
+    differ = sorted(name for name in found.keys() | expected.keys()
+                    if found.get(name) != expected.get(name))
+    raise errors.PackageError(
+        f"payload artifact {part.path} disagrees with the metadata carrier's locator for "
+        f"{differ[:5]} (name, type, shape or byte range)", path=str(part.path), field=part.label,
+        remedy="re-download the package or re-split the source GGUF")
 
 
 class ModelSource:
@@ -172,7 +192,7 @@ class ModelSource:
       self._verify(part, check_sha=check_sha)
     if opened is None:
       try:
-        opened = _OpenFile(open_gguf(part.path), part)
+        opened = _OpenFile(open_gguf(part.path), part, self._located(part))
       except errors.PackageError:
         if part.artifact is not None and not check_sha:   # corruption is named as such first
           self._verify(part, check_sha=True)
@@ -188,7 +208,20 @@ class ModelSource:
     if check_sha:
       self._hashed.add(part.path)
 
+  def _located(self, part: _Part) -> dict[str, manifest_lib.TensorLocation] | None:
+    """A v2 payload artifact's tensors by the carrier's locator (None for v1 and GGUFs)."""
+    locator = self.manifest.tensor_locator if self.manifest is not None else None
+    if locator is None or part.artifact is None:
+      return None
+    return {name: where for name, where in locator.items() if where.label == part.label}
+
   def _part_of(self, name: str) -> _Part:
+    locator = self.manifest.tensor_locator if self.manifest is not None else None
+    if locator is not None:
+      if name not in locator:
+        raise errors.PackageError(f"tensor {name} is not in {self.path}", path=str(self.path),
+                                  remedy="check the tensor name against the source's tensors")
+      return self._by_label[locator[name].label]
     if self.manifest is None:
       if name not in self._locations:
         raise errors.PackageError(f"tensor {name} is not in {self.path}", path=str(self.path),
@@ -212,11 +245,14 @@ class ModelSource:
 
   def _is_replica(self, name: str, part: _Part) -> bool:
     """Metadata-role tensors are repeated in every fragment; only shared.metadata's count."""
-    return (self.manifest is not None and part.label != "metadata"
-            and tensor_role(name)[0] == ROLE_METADATA)
+    return (self.manifest is not None and self.manifest.tensor_locator is None
+            and part.label != "metadata" and tensor_role(name)[0] == ROLE_METADATA)
 
   def _tensor_parts(self) -> list[_Part]:
-    return [part for part in self._parts if not part.label.startswith("projector")]
+    """Parts that store tensors: not projectors, and not a v2 metadata carrier (payload-free)."""
+    carrier = self.manifest is not None and self.manifest.tensor_locator is not None
+    return [part for part in self._parts if not part.label.startswith("projector")
+            and not (carrier and part.label == "metadata")]
 
   # -- public interface ------------------------------------------------------------------------
 
@@ -276,6 +312,10 @@ class ModelSource:
                                       output=output))
       return [part for part in self._parts if part.path in holders]
     labels = {"metadata"} | {self._part_of(name).label for name in extra}
+    if self.manifest.tensor_locator is not None:     # v2: where the selected tensors are stored
+      labels.update(where.label for name, where in self.manifest.tensor_locator.items()
+                    if stage_selects(name, layer_start, layer_end, embeddings=embeddings,
+                                     output=output))
     labels.update(f"layer:{index}" for index in range(layer_start, layer_end))
     if embeddings:
       labels.add("embeddings")
@@ -369,10 +409,11 @@ def _open_package(root: pathlib.Path, verify: str, verify_scope: Any) -> ModelSo
   manifest, digest = manifest_lib.read_manifest(root)
   parts = _package_parts(root, manifest)
   verified = []
-  hashed = set()
+  v2 = manifest.tensor_locator is not None
+  hashed = {parts[0].path} if v2 else set()      # a v2 carrier was hashed as it was read
   for part in _scope_parts(parts, verify_scope, manifest.layer_count):
     # shared.metadata is always hashed: its key/values configure everything else
-    check_sha = verify == "sha256" or part is parts[0]
+    check_sha = verify == "sha256" or (part is parts[0] and not v2)
     integrity.verify_part(root, part.artifact.path, role=part.label,
                           artifact_bytes=part.artifact.artifact_bytes, sha256=part.artifact.sha256,
                           check_sha=check_sha)
@@ -380,12 +421,15 @@ def _open_package(root: pathlib.Path, verify: str, verify_scope: Any) -> ModelSo
     if check_sha:
       hashed.add(part.path)
   metadata_part = parts[0]
-  opened = _OpenFile(open_gguf(metadata_part.path), metadata_part)
+  if v2:
+    key_values, open_files = list(manifest.carrier_key_values), {}
+  else:
+    opened = _OpenFile(open_gguf(metadata_part.path), metadata_part)
+    key_values = read_key_values(opened.reader, metadata_part.path)
+    open_files = {metadata_part.path: opened}
   return ModelSource(kind="package", path=root, parts=parts, manifest=manifest,
-                     manifest_sha256=digest,
-                     key_values=read_key_values(opened.reader, metadata_part.path),
-                     open_files={metadata_part.path: opened}, verified_artifacts=tuple(verified),
-                     hashed=frozenset(hashed))
+                     manifest_sha256=digest, key_values=key_values, open_files=open_files,
+                     verified_artifacts=tuple(verified), hashed=frozenset(hashed))
 
 
 def _open_gguf_files(path: pathlib.Path) -> ModelSource:

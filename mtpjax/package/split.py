@@ -10,13 +10,13 @@ import json
 import sys
 
 from mtpjax import errors
-from mtpjax.package import manifest as manifest_lib, writer
+from mtpjax.package import manifest as manifest_lib, writer, writer_v2
 
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m mtpjax.package.split",
                                    description="Split a GGUF (or any shard of a split GGUF) into "
-                                               "a v1 layer package.")
+                                               "a layer package (manifest schema v1 or v2).")
   parser.add_argument("src", help="the .gguf file, or any shard NAME-0000k-of-0000n.gguf")
   parser.add_argument("out_dir", help="the package folder to create")
   parser.add_argument("--model-id", "--model_id", dest="model_id", default=None,
@@ -26,22 +26,30 @@ def main(argv: list[str] | None = None) -> int:
                       help="the source's path inside its repository (default: its file name)")
   parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
   parser.add_argument("--generation-format", "--generation_format", dest="generation_format",
-                      choices=writer.GENERATION_FORMATS, default=writer.DEFAULT_STRATEGY,
+                      choices=writer.GENERATION_FORMATS, default=None,
                       help="how generation.speculative_decoding declares native MTP: the first "
-                           "era's inline native-mtp-n1 (default), the later inline mtp, or the "
-                           "newer proposers form")
+                           "era's inline native-mtp-n1 (v1's default), the later inline mtp "
+                           "(v2's default), or the newer proposers form")
+  parser.add_argument("--schema-version", "--schema_version", dest="schema_version", type=int,
+                      choices=(1, 2), default=1,
+                      help="manifest schema: 1 (shared/ + layers/, default) or 2 (artifact "
+                           "catalog + metadata carrier, what published meshllm packages use)")
   args = parser.parse_args(argv)
+  split, default_format = ((writer.split_gguf, writer.DEFAULT_STRATEGY) if args.schema_version == 1
+                           else (writer_v2.split_gguf_v2, writer_v2.DEFAULT_GENERATION_FORMAT))
   try:
-    out = writer.split_gguf(args.src, args.out_dir, model_id=args.model_id,
-                            revision=args.revision, overwrite=args.overwrite,
-                            primary_file=args.primary_file,
-                            generation_format=args.generation_format)
+    out = split(args.src, args.out_dir, model_id=args.model_id, revision=args.revision,
+                overwrite=args.overwrite, primary_file=args.primary_file,
+                generation_format=args.generation_format or default_format)
   except errors.MtpjaxError as error:
     print(f"error: {error}", file=sys.stderr)
     return 1
   manifest, digest = manifest_lib.read_manifest(out)
-  print(json.dumps({"package_path": str(out), "model_id": manifest.model_id,
-                    "layer_count": manifest.layer_count, "manifest_sha256": digest}))
+  summary = {"package_path": str(out), "model_id": manifest.model_id,
+             "layer_count": manifest.layer_count, "manifest_sha256": digest}
+  if manifest.package_id is not None:
+    summary["package_id"] = manifest.package_id
+  print(json.dumps(summary))
   return 0
 
 

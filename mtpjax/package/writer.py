@@ -25,8 +25,8 @@ import numpy as np
 from mtpjax import errors
 from mtpjax.package import integrity, manifest as manifest_lib
 from mtpjax.package.gguf_kv import KeyValue
-from mtpjax.package.reader import (OWNED_ROLES, ROLE_LAYER, ModelSource, open_gguf, open_source,
-                                   stage_selects, tensor_role)
+from mtpjax.package.reader import ModelSource, open_gguf, open_source
+from mtpjax.package.roles import OWNED_ROLES, ROLE_LAYER, ROLE_METADATA, stage_selects, tensor_role
 
 ABI_STAMP = "0.1.0"
 DEFAULT_STRATEGY = "native-mtp-n1"
@@ -41,12 +41,12 @@ _REMEDY = "fix the source GGUF or the arguments and run the split again"
 
 
 @dataclasses.dataclass(frozen=True)
-class _Encoded:
+class Encoded:
   """A key/value payload that is already in GGUF encoding."""
   payload: bytes
 
 
-class _FragmentWriter(gguf.GGUFWriter):
+class FragmentWriter(gguf.GGUFWriter):
   """GGUFWriter that re-emits source key/values byte for byte.
 
   gguf-py re-infers the element types of nested arrays and refuses empty ones, so values are
@@ -55,31 +55,33 @@ class _FragmentWriter(gguf.GGUFWriter):
 
   def _pack_val(self, val: Any, vtype: gguf.GGUFValueType, add_vtype: bool,
                 sub_type: gguf.GGUFValueType | None = None) -> bytes:
-    if isinstance(val, _Encoded):
+    if isinstance(val, Encoded):
       return (self._pack("I", vtype) if add_vtype else b"") + val.payload
     return super()._pack_val(val, vtype, add_vtype, sub_type)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Fragment:
+class Fragment:
   label: str
   path: str
   layer_start: int
   layer_end: int
   embeddings: bool = False
   output: bool = False
+  metadata_tensors: bool = True   # v1 repeats metadata-role tensors in every fragment; v2 stores
+                                  # each tensor once
 
 
-def fragment_plan(layer_count: int) -> list[_Fragment]:
+def fragment_plan(layer_count: int) -> list[Fragment]:
   """The writer's fragments (§3): metadata, embeddings, one per layer, output."""
-  return ([_Fragment("metadata", "shared/metadata.gguf", 0, 0),
-           _Fragment("embeddings", "shared/embeddings.gguf", 0, 0, embeddings=True)]
-          + [_Fragment(f"layer {index}", f"layers/layer-{index:03d}.gguf", index, index + 1)
+  return ([Fragment("metadata", "shared/metadata.gguf", 0, 0),
+           Fragment("embeddings", "shared/embeddings.gguf", 0, 0, embeddings=True)]
+          + [Fragment(f"layer {index}", f"layers/layer-{index:03d}.gguf", index, index + 1)
              for index in range(layer_count)]
-          + [_Fragment("output", "shared/output.gguf", layer_count, layer_count, output=True)])
+          + [Fragment("output", "shared/output.gguf", layer_count, layer_count, output=True)])
 
 
-def _copy_key_values(writer: _FragmentWriter, key_values: list[KeyValue]) -> None:
+def copy_key_values(writer: FragmentWriter, key_values: list[KeyValue]) -> None:
   """Every key except GGUF.*, split.* and general.architecture (the constructor writes it)."""
   for item in key_values:
     if item.key == "general.architecture" or item.key.startswith(("GGUF.", "split.")):
@@ -87,20 +89,21 @@ def _copy_key_values(writer: _FragmentWriter, key_values: list[KeyValue]) -> Non
     if item.key == "general.alignment":
       writer.add_custom_alignment(item.value)   # also makes the writer pad tensors to it
       continue
-    writer.add_key_value(item.key, _Encoded(item.payload), item.type)
+    writer.add_key_value(item.key, Encoded(item.payload), item.type)
 
 
-def _write_fragment(source: ModelSource, fragment: _Fragment, root: pathlib.Path) -> dict:
+def write_fragment(source: ModelSource, fragment: Fragment, root: pathlib.Path) -> dict:
   """Writes one fragment from memory-mapped source views and returns its manifest entry."""
   target = root / fragment.path
   target.parent.mkdir(parents=True, exist_ok=True)
-  writer = _FragmentWriter(target, source.arch)
+  writer = FragmentWriter(target, source.arch)
   tensor_count = tensor_bytes = 0
   try:
-    _copy_key_values(writer, source.key_values)
+    copy_key_values(writer, source.key_values)
     for name, info in source.tensors.items():
       if stage_selects(name, fragment.layer_start, fragment.layer_end,
-                       embeddings=fragment.embeddings, output=fragment.output):
+                       embeddings=fragment.embeddings, output=fragment.output) and (
+                           fragment.metadata_tensors or tensor_role(name)[0] != ROLE_METADATA):
         data = source.raw(name)
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=info.ggml_type)
         tensor_count += 1
@@ -186,8 +189,9 @@ def check_exactly_once(package_dir: pathlib.Path, source: ModelSource) -> None:
   # The hashes were taken from these very files as they were written, and every tensor's
   # bytes are compared with the source below, so re-hashing here would catch nothing new.
   manifest = manifest_lib.load_manifest(package_dir)
-  artifacts = [manifest.shared_metadata, manifest.shared_embeddings, *manifest.layers,
-               manifest.shared_output]
+  artifacts = [manifest.shared_embeddings, *manifest.layers, manifest.shared_output]
+  if manifest.tensor_locator is None:           # a v2 carrier stores no tensor bytes
+    artifacts.insert(0, manifest.shared_metadata)
   seen: collections.Counter[str] = collections.Counter()
   problems = []
   for artifact in artifacts:
@@ -244,6 +248,49 @@ def split_gguf(src: str | pathlib.Path, out_dir: str | pathlib.Path, *, model_id
   folder is kept in `source_model.files`, e.g. `UD-IQ2_M/GLM-5.1-UD-IQ2_M-00001-of-00006.gguf`.
   `generation_format` picks the era's form of the native-MTP declaration (GENERATION_FORMATS).
   """
+  return split_with(_write_v1, src, out_dir, model_id=model_id, revision=revision,
+                    overwrite=overwrite, primary_file=primary_file,
+                    generation_format=generation_format)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackageInputs:
+  """What every schema's package writer gets: the open source and the manifest's parts that do
+  not depend on the schema."""
+  source: ModelSource
+  staging: pathlib.Path
+  model_id: str
+  source_model: dict             # the v1 record (§2.2)
+  generation: dict | None
+  activation_width: int
+
+
+def _write_v1(inputs: PackageInputs) -> None:
+  source, staging = inputs.source, inputs.staging
+  entries = {fragment.label: write_fragment(source, fragment, staging)
+             for fragment in fragment_plan(source.layer_count)}
+  manifest: dict[str, Any] = {
+      "schema_version": 1, "model_id": inputs.model_id, "source_model": inputs.source_model,
+      "format": manifest_lib.FORMAT, "layer_count": source.layer_count,
+      "activation_width": inputs.activation_width}
+  if inputs.generation is not None:
+    manifest["generation"] = inputs.generation
+  manifest["shared"] = {role: entries[role] for role in manifest_lib.SHARED_ROLES}
+  manifest["projectors"] = []
+  manifest["layers"] = [{"layer_index": index, **entries[f"layer {index}"]}
+                        for index in range(source.layer_count)]
+  manifest["skippy_abi_version"] = ABI_STAMP
+  manifest["created_at_unix_secs"] = int(time.time())
+  (staging / manifest_lib.MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n",
+                                                    encoding="utf-8")
+
+
+def split_with(write_package, src: str | pathlib.Path, out_dir: str | pathlib.Path, *,
+               model_id: str | None, revision: str | None, overwrite: bool,
+               primary_file: str | None, generation_format: str) -> pathlib.Path:
+  """The steps every schema shares (§6): check the arguments, open the source, let
+  `write_package(PackageInputs)` write the artifacts and manifest into a staging folder, check
+  it exactly-once against the source, then rename it into place."""
   model_id = _check_model_id(model_id)
   if generation_format not in GENERATION_FORMATS:
     raise errors.PackageError(f"generation format {generation_format!r} is not one of "
@@ -261,25 +308,11 @@ def split_gguf(src: str | pathlib.Path, out_dir: str | pathlib.Path, *, model_id
       if source.layer_count < 1:
         raise errors.PackageError(f"source {src} has no blk.N tensors; a layer package needs at "
                                   "least one layer", path=str(src), remedy=_REMEDY)
-      width = source.activation_width
-      generation = _generation(source, generation_format)
-      source_model = _source_model(source, model_id, revision, primary_file)
-      entries = {fragment.label: _write_fragment(source, fragment, staging)
-                 for fragment in fragment_plan(source.layer_count)}
-      manifest: dict[str, Any] = {
-          "schema_version": 1, "model_id": model_id, "source_model": source_model,
-          "format": manifest_lib.FORMAT, "layer_count": source.layer_count,
-          "activation_width": width}
-      if generation is not None:
-        manifest["generation"] = generation
-      manifest["shared"] = {role: entries[role] for role in manifest_lib.SHARED_ROLES}
-      manifest["projectors"] = []
-      manifest["layers"] = [{"layer_index": index, **entries[f"layer {index}"]}
-                            for index in range(source.layer_count)]
-      manifest["skippy_abi_version"] = ABI_STAMP
-      manifest["created_at_unix_secs"] = int(time.time())
-      (staging / manifest_lib.MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n",
-                                                        encoding="utf-8")
+      write_package(PackageInputs(
+          source=source, staging=staging, model_id=model_id,
+          source_model=_source_model(source, model_id, revision, primary_file),
+          generation=_generation(source, generation_format),
+          activation_width=source.activation_width))
       check_exactly_once(staging, source)
     _install(staging, out_dir)
   except BaseException:
