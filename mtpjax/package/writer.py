@@ -68,8 +68,10 @@ class Fragment:
   layer_end: int
   embeddings: bool = False
   output: bool = False
-  metadata_tensors: bool = True   # v1 repeats metadata-role tensors in every fragment; v2 stores
-                                  # each tensor once
+  # v1 repeats the key/values and metadata-role tensors in every fragment; v2 keeps both in its
+  # carrier and stores each tensor once
+  metadata_tensors: bool = True
+  key_values: bool = True
 
 
 def fragment_plan(layer_count: int) -> list[Fragment]:
@@ -99,7 +101,8 @@ def write_fragment(source: ModelSource, fragment: Fragment, root: pathlib.Path) 
   writer = FragmentWriter(target, source.arch)
   tensor_count = tensor_bytes = 0
   try:
-    copy_key_values(writer, source.key_values)
+    copy_key_values(writer, source.key_values if fragment.key_values else
+                    [item for item in source.key_values if item.key == "general.alignment"])
     for name, info in source.tensors.items():
       if stage_selects(name, fragment.layer_start, fragment.layer_end,
                        embeddings=fragment.embeddings, output=fragment.output) and (

@@ -1,7 +1,8 @@
 """Split a GGUF into a schema v2 layer package (LAYER_PACKAGES.md §10).
 
 The payload artifacts are the v1 fragments with each tensor stored once (metadata-role tensors
-such as `rope_freqs.weight` go with the embeddings) and layer files named with 5 digits. A
+such as `rope_freqs.weight` go with the embeddings), no repeated key/values (only
+`general.alignment`, which places their data) and layer files named with 5 digits. A
 payload-free carrier GGUF holds every key/value, the full tensor directory and the
 `skippy.package.*` locator arrays; the root lists the artifacts and carries the canonical
 `package_id`. The steps every schema shares (arguments, staging, exactly-once check, atomic
@@ -31,12 +32,12 @@ DEFAULT_GENERATION_FORMAT = "mtp"       # what upstream's v2 writer emits
 def fragment_plan(layer_count: int) -> dict[str, writer.Fragment]:
   """Payload artifacts by id: embeddings (with the metadata-role tensors), layers, output."""
   plan = {"embeddings": writer.Fragment("embeddings", "shared/embeddings.gguf", 0, 0,
-                                         embeddings=True)}
+                                        embeddings=True, key_values=False)}
   plan.update({f"layer-{index:05d}": writer.Fragment(
       f"layer {index}", f"layers/layer-{index:05d}.gguf", index, index + 1,
-      metadata_tensors=False) for index in range(layer_count)})
+      metadata_tensors=False, key_values=False) for index in range(layer_count)})
   plan["output"] = writer.Fragment("output", "shared/output.gguf", layer_count, layer_count,
-                                    output=True, metadata_tensors=False)
+                                   output=True, metadata_tensors=False, key_values=False)
   return plan
 
 
