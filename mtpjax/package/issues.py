@@ -17,7 +17,7 @@ REMEDIES: dict[str, str] = {
                         "or create one with `python -m mtpjax.package.split`",
     "invalid_manifest_json": "repair model-package.json (it must be a UTF-8 JSON object) or "
                              + _RESPLIT,
-    "unsupported_schema_version": "mtpjax reads manifest schema_version 1; " + _RESPLIT,
+    "unsupported_schema_version": "mtpjax reads manifest schema_version 1 and 2; " + _RESPLIT,
     "invalid_format": 'set "format": "layer-package" or ' + _RESPLIT,
     "empty_model_id": 'set "model_id" to a model coordinate such as "org/repo:Q4_K_M"',
     "invalid_layer_count": "set layer_count to max(block index)+1 of the source (NextN block "
@@ -103,6 +103,39 @@ REMEDIES: dict[str, str] = {
     "invalid_artifact_sha256": "record the artifact's 64-hex SHA-256 in the manifest",
     "artifact_sha256_mismatch": "the file is corrupt: re-download it or " + _RESPLIT,
     "artifact_sha256_unreadable": "make the file readable (permissions, I/O errors) and retry",
+    # schema v2 (LAYER_PACKAGES.md §10; codes are upstream's, the first two ours)
+    "unknown_field": "schema v2 rejects fields it does not define: remove the field, or "
+                     + _RESPLIT + " --schema-version 2",
+    "invalid_field_type": "give the field the type and range schema v2 defines",
+    "missing_value": "fill in the required, non-blank value",
+    "invalid_digest": "write digests as 64 lowercase hex digits (package_id as sha256:<hex>)",
+    "invalid_identifier": "artifact ids use only letters, digits, '-', '_' and '.'",
+    "invalid_path": "paths must be normalized relative package paths ('/'-separated, no '.', "
+                    "'..', '//', backslash or trailing '/') that stay inside the package",
+    "unknown_source_file": "list source_model.primary_file in source_model.files",
+    "source_identity_mismatch": "source_model.sha256 must equal the primary source file's sha256",
+    "invalid_metadata_artifact": "point source_model.metadata_artifact_id at the package's "
+                                 "payload-free carrier GGUF (re-download it if it is corrupt), "
+                                 "or " + _RESPLIT + " --schema-version 2",
+    "duplicate_artifact": "give every artifact a distinct id",
+    "duplicate_artifact_path": "give every artifact a distinct path",
+    "duplicate_sidecar": "give each projector sidecar a distinct name",
+    "unknown_artifact": "reference only artifact ids (and payload parts) the catalog declares",
+    "layer_out_of_bounds": "layer ordinals must be below layer_count; " + _RESPLIT,
+    "invalid_alignment": "tensor alignments must be non-zero powers of two; " + _RESPLIT,
+    "misaligned_offset": "tensor offsets must be multiples of their alignment; " + _RESPLIT,
+    "storage_out_of_bounds": "the carrier's tensor ranges must lie inside their artifact; the "
+                             "package is corrupt: re-download it or " + _RESPLIT,
+    "invalid_stored_length": "stored lengths must be the tensors' byte sizes; " + _RESPLIT,
+    "overlapping_storage": "tensor byte ranges in one artifact must not overlap; " + _RESPLIT,
+    "package_identity_mismatch": "package_id must be the canonical identity of the root: the "
+                                 "root was edited after it was written; re-download it or "
+                                 + _RESPLIT + " --schema-version 2",
+    "invalid_generation_value": "use the generation types and fields schema v2 defines "
+                                "(native-mtp, ngram-cache, ngram-suffix, composite)",
+    "unsupported_artifact_layout": "mtpjax loads v2 packages with one payload artifact per layer "
+                                   "plus one each for the embeddings and the output; "
+                                   + _RESPLIT + " --schema-version 2",
     "invalid_stage_count": "pass --stages greater than zero",
     "stage_count_exceeds_layer_count": "use at most layer_count stages",
 }

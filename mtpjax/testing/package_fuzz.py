@@ -35,7 +35,7 @@ import numpy as np
 from mtpjax import errors
 from mtpjax.gguf.tokenizer import ChatTemplate, GgufTokenizer
 from mtpjax.models.config import config_from_gguf
-from mtpjax.package import preflight, reader
+from mtpjax.package import carrier, preflight, reader
 from mtpjax.testing import package_mutations
 
 FAILURES = ("silent_change", "untyped", "hang", "memory", "crash")
@@ -73,6 +73,8 @@ def _stage_of(manifest: dict, target: str | None) -> tuple[int, int, bool, bool]
   """(layer_start, layer_end, embeddings, output) that reads `target`; None: everything."""
   if target is None:
     return None
+  if package_mutations.is_v2(manifest):
+    return _v2_stage_of(manifest, target)
   shared = manifest["shared"]
   if target == shared["embeddings"]["path"]:
     return 0, 1, True, False
@@ -82,6 +84,16 @@ def _stage_of(manifest: dict, target: str | None) -> tuple[int, int, bool, bool]
     if entry["path"] == target:
       return entry["layer_index"], entry["layer_index"] + 1, False, False
   return 0, 1, False, False
+
+
+def _v2_stage_of(manifest: dict, target: str) -> tuple[int, int, bool, bool]:
+  ordinal = carrier.layer_ordinal(target)
+  if ordinal is not None:
+    return ordinal, ordinal + 1, False, False
+  ids = {entry["path"]: entry["id"] for entry in manifest["artifact_catalog"]["entries"]}
+  if ids.get(target) == "output":
+    return manifest["layer_count"] - 1, manifest["layer_count"], False, True
+  return 0, 1, ids.get(target) == "embeddings", False
 
 
 def exercise(root: pathlib.Path, stage: tuple[int, int, bool, bool] | None,

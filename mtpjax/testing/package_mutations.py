@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import gguf
 
+from mtpjax.package import manifest_v2
 from mtpjax.testing.gguf_rewrite import rewrite_gguf
 
 MANIFEST_NAME = "model-package.json"
@@ -66,24 +67,45 @@ def write_manifest(root: pathlib.Path, manifest: Any, depth: int = 0) -> None:
   (root / MANIFEST_NAME).write_text(text.replace(json.dumps(_DEEP), "[" * depth + "]" * depth))
 
 
+def is_v2(manifest: dict) -> bool:
+  return manifest.get("schema_version") == manifest_v2.SCHEMA_VERSION
+
+
 def artifact_paths(manifest: dict) -> list[str]:
-  """Every artifact path of a well-formed manifest: shared parts, then layers."""
+  """Every artifact path of a well-formed manifest that gguf-py parses: v1's shared parts, then
+  layers; v2's payload artifacts (its payload-free carrier is not a GGUF gguf-py can open;
+  tests/package_v2_test.py attacks it)."""
+  if is_v2(manifest):
+    carrier = manifest["source_model"]["metadata_artifact_id"]
+    return [entry["path"] for entry in manifest["artifact_catalog"]["entries"]
+            if entry["id"] != carrier]
   return ([manifest["shared"][role]["path"] for role in ("metadata", "embeddings", "output")]
           + [entry["path"] for entry in manifest["layers"]])
+
+
+def tensor_paths(manifest: dict) -> list[str]:
+  """The artifacts that store tensor bytes (v1's shared.metadata only repeats key/values)."""
+  paths = artifact_paths(manifest)
+  return paths if is_v2(manifest) else paths[1:]
 
 
 def rehash(root: pathlib.Path, path: str) -> None:
   """Re-records `path`'s size and SHA-256 in every manifest entry that names it."""
   data = (root / path).read_bytes()
   manifest = read_manifest(root)
+  size_field = "byte_size" if is_v2(manifest) else "artifact_bytes"
   for entry in _artifact_entries(manifest):
     if entry.get("path") == path:
-      entry["artifact_bytes"] = len(data)
+      entry[size_field] = len(data)
       entry["sha256"] = hashlib.sha256(data).hexdigest()
+  if is_v2(manifest):            # a v2 root binds every digest into its package_id
+    manifest["package_id"] = manifest_v2.canonical_package_id(manifest)
   write_manifest(root, manifest)
 
 
 def _artifact_entries(manifest: dict) -> list[dict]:
+  if is_v2(manifest):
+    return manifest["artifact_catalog"]["entries"]
   return [*manifest["shared"].values(), *manifest["layers"], *manifest.get("projectors", [])]
 
 
@@ -304,8 +326,11 @@ _METADATA_KEYS = (
 
 def mutate_metadata_value(rng: random.Random, root: pathlib.Path) -> Mutation:
   """shared.metadata rewritten by gguf-py with one key given a hostile value (and re-hashed,
-  so the value itself reaches the config and tokenizer)."""
-  target = read_manifest(root)["shared"]["metadata"]["path"]
+  so the value itself reaches the config and tokenizer); in a v2 package the first payload
+  artifact, whose key/values a loader must ignore."""
+  manifest = read_manifest(root)
+  target = (artifact_paths(manifest)[0] if is_v2(manifest)
+            else manifest["shared"]["metadata"]["path"])
   key = rng.choice(_METADATA_KEYS)
   value, kind = rng.choice(HOSTILE_METADATA)
   path = root / target
@@ -318,7 +343,7 @@ def mutate_metadata_value(rng: random.Random, root: pathlib.Path) -> Mutation:
 
 def mutate_tensor_bytes(rng: random.Random, root: pathlib.Path) -> Mutation:
   """Tensor data changed and the manifest left alone: corruption that must never load."""
-  target = rng.choice(artifact_paths(read_manifest(root))[1:])
+  target = rng.choice(tensor_paths(read_manifest(root)))
   path = root / target
   tensors = tensor_field_offsets(path)
   name = rng.choice(sorted(tensors))
