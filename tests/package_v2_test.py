@@ -16,7 +16,7 @@ from absl.testing import parameterized
 from configs import glm
 from mtpjax import embedded, errors, speculative
 import package_examples as examples
-from mtpjax.package import (carrier as carrier_lib, gguf_header,
+from mtpjax.package import (carrier as carrier_lib, gguf_header, manifest as manifest_lib,
                             planning, preflight, reader, writer, writer_v2)
 from fixtures import FIXTURES
 
@@ -134,6 +134,19 @@ class RoundTripTest(parameterized.TestCase):
           self.assertEqual(resolve(v1, strategy, env), resolve(v2, strategy, env),
                            (strategy, env))
       self.assertTrue(resolve(v2, None, {})[0])
+
+  def test_root_alone_gives_identity_and_generation(self):
+    """What a converted checkpoint keeps is the root JSON, without the package."""
+    raw = json.loads((self.packages["glm", 2] / "model-package.json").read_text())
+    root_only = manifest_lib.parse_manifest(raw, path="model-package.json")
+    with reader.open_source(self.packages["glm", 2]) as source:
+      full = source.manifest
+    self.assertEqual((root_only.model_id, root_only.generation, root_only.package_id),
+                     (full.model_id, full.generation, full.package_id))
+    self.assertEqual((root_only.layers, root_only.tensor_locator), ((), None))
+    raw["package_id"] = "sha256:" + "0" * 64
+    with self.assertRaisesRegex(errors.ManifestError, "package_identity_mismatch"):
+      manifest_lib.parse_manifest(raw, path="model-package.json")
 
   def test_v2_demo_package_loads(self):
     """The one jax load (generation from identical tensors is the loader's own tests' job): the

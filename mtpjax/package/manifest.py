@@ -325,8 +325,9 @@ def parse_manifest(data: dict | bytes, *, path: str | pathlib.Path,
 
   Raises one ManifestError carrying every error issue. A strategy that names a native-MTP
   proposer (or a composite's primary) carries that proposer's depth and layers, so every era's
-  form reads the same through `Strategy`. A v2 root needs `package_root`: its metadata carrier
-  is read (and hashed) to build the Manifest; a corrupt carrier raises IntegrityError.
+  form reads the same through `Strategy`. A v2 root with `package_root` has its metadata carrier
+  read (and hashed) to build the full Manifest (a corrupt carrier raises IntegrityError);
+  without it (a converted checkpoint's record) it gives `manifest_v2.root_manifest`.
   """
   raw = _decode_json(data, str(path))
   if isinstance(raw, dict) and raw.get("schema_version") == manifest_v2.SCHEMA_VERSION:
@@ -355,9 +356,8 @@ def _parse_v2(raw: dict, path: str, package_root: pathlib.Path | None) -> Manife
   root = None if package_root is None else pathlib.Path(package_root)
   found = manifest_v2.root_issues(raw, root)
   if not errors_of(found) and root is None:
-    found = [issue("invalid_metadata_artifact", "a schema v2 manifest is read with its package "
-                   "directory: its metadata carrier holds the tensors and model metadata")]
-  elif not errors_of(found):
+    return manifest_v2.root_manifest(raw)
+  if not errors_of(found):
     manifest, found = manifest_v2.resolve(raw, root)
     if manifest is not None:
       return manifest

@@ -355,33 +355,21 @@ def resolve(raw: dict, package_root: pathlib.Path) -> tuple[manifest_types.Manif
                        f"package has no payload artifact for {label}"))
   if errors_of(found):
     return None, found
-  return _manifest(raw, carrier, payloads, labels, carrier_entry), []
+  return _manifest(raw, carrier, payloads, labels), []
 
 
-def _manifest(raw: dict, carrier: carrier_lib.Carrier, payloads, labels: dict[int, str],
-              carrier_entry: dict) -> manifest_types.Manifest:
-  locator = {tensor.name: manifest_types.TensorLocation(
-      label=labels[tensor.part], start=tensor.start, n_bytes=tensor.n_bytes,
-      alignment=tensor.alignment, ggml_type=tensor.ggml_type, ne=tensor.ne)
-      for tensor in carrier.tensors}
-  by_label: dict[str, manifest_types.Artifact] = {}
-  for part, payload in enumerate(payloads):
-    label = labels[part]
-    stored = [tensor.n_bytes for tensor in carrier.tensors if tensor.part == part]
-    by_label[label] = manifest_types.Artifact(
-        role="layer" if label.startswith("layer") else label, path=payload.path,
-        tensor_count=len(stored), tensor_bytes=sum(stored), artifact_bytes=payload.byte_size,
-        sha256=_artifacts_by_id(raw)[payload.id]["sha256"],
-        layer_index=int(label.split(":")[1]) if label.startswith("layer") else None)
-  artifacts = _artifacts_by_id(raw)
-  projectors = tuple(manifest_types.Artifact(
-      role="projector", path=artifacts[entry["artifact_id"]]["path"], tensor_count=0,
-      tensor_bytes=0, artifact_bytes=artifacts[entry["artifact_id"]]["byte_size"],
-      sha256=artifacts[entry["artifact_id"]]["sha256"], kind=entry["kind"])
-      for entry in raw.get("sidecars") or ())
+def _carrier_artifact(raw: dict) -> manifest_types.Artifact:
+  entry = _artifacts_by_id(raw)[raw["source_model"]["metadata_artifact_id"]]
+  return manifest_types.Artifact(role="metadata", path=entry["path"], tensor_count=0,
+                                 tensor_bytes=0, artifact_bytes=entry["byte_size"],
+                                 sha256=entry["sha256"])
+
+
+def _root_fields(raw: dict) -> dict:
+  """The Manifest fields a valid root gives by itself (identity, source, generation)."""
   source = raw["source_model"]
   generation = raw.get("generation")
-  return manifest_types.Manifest(
+  return dict(
       schema_version=SCHEMA_VERSION, model_id=raw["model_id"],
       source_model=manifest_types.SourceModel(
           path=source["primary_file"], sha256=source["sha256"], repo=source.get("repo"),
@@ -392,15 +380,46 @@ def _manifest(raw: dict, carrier: carrier_lib.Carrier, payloads, labels: dict[in
                                                 sha256=entry["sha256"])
                       for entry in source["files"])),
       format=raw["format"], layer_count=raw["layer_count"], activation_width=None,
-      shared_metadata=manifest_types.Artifact(
-          role="metadata", path=carrier_entry["path"], tensor_count=0, tensor_bytes=0,
-          artifact_bytes=carrier_entry["byte_size"], sha256=carrier_entry["sha256"]),
-      shared_embeddings=by_label["embeddings"], shared_output=by_label["output"],
-      layers=tuple(by_label[f"layer:{i}"] for i in range(raw["layer_count"])),
       skippy_abi_version=raw["native_abi_version"],
       generation=None if generation is None else manifest_types.Generation(
           speculative_decoding=manifest_types.parse_speculative(
               generation.get("speculative_decoding"))),
-      projectors=projectors, created_at_unix_secs=raw["created_at_unix_secs"], raw=raw,
-      package_id=raw["package_id"], tensor_locator=locator,
-      carrier_key_values=carrier.key_values)
+      created_at_unix_secs=raw["created_at_unix_secs"], raw=raw, package_id=raw["package_id"])
+
+
+def root_manifest(raw: dict) -> manifest_types.Manifest:
+  """A valid root read without its package (a converted checkpoint's record): identity,
+  source and generation only. The artifact slots are not resolved (`layers` is empty, the
+  other slots name the carrier), so it can resolve strategies but never open tensors."""
+  carrier = _carrier_artifact(raw)
+  return manifest_types.Manifest(shared_metadata=carrier, shared_embeddings=carrier,
+                                 shared_output=carrier, layers=(), **_root_fields(raw))
+
+
+def _manifest(raw: dict, carrier: carrier_lib.Carrier, payloads: list[carrier_lib.PayloadArtifact],
+              labels: dict[int, str]) -> manifest_types.Manifest:
+  locator = {tensor.name: manifest_types.TensorLocation(
+      label=labels[tensor.part], start=tensor.start, n_bytes=tensor.n_bytes,
+      alignment=tensor.alignment, ggml_type=tensor.ggml_type, ne=tensor.ne)
+      for tensor in carrier.tensors}
+  artifacts = _artifacts_by_id(raw)
+  by_label: dict[str, manifest_types.Artifact] = {}
+  for part, payload in enumerate(payloads):
+    label = labels[part]
+    stored = [tensor.n_bytes for tensor in carrier.tensors if tensor.part == part]
+    by_label[label] = manifest_types.Artifact(
+        role="layer" if label.startswith("layer") else label, path=payload.path,
+        tensor_count=len(stored), tensor_bytes=sum(stored), artifact_bytes=payload.byte_size,
+        sha256=artifacts[payload.id]["sha256"],
+        layer_index=int(label.split(":")[1]) if label.startswith("layer") else None)
+  projectors = tuple(manifest_types.Artifact(
+      role="projector", path=artifacts[entry["artifact_id"]]["path"], tensor_count=0,
+      tensor_bytes=0, artifact_bytes=artifacts[entry["artifact_id"]]["byte_size"],
+      sha256=artifacts[entry["artifact_id"]]["sha256"], kind=entry["kind"])
+      for entry in raw.get("sidecars") or ())
+  return manifest_types.Manifest(
+      shared_metadata=_carrier_artifact(raw), shared_embeddings=by_label["embeddings"],
+      shared_output=by_label["output"],
+      layers=tuple(by_label[f"layer:{i}"] for i in range(raw["layer_count"])),
+      projectors=projectors, tensor_locator=locator, carrier_key_values=carrier.key_values,
+      **_root_fields(raw))
