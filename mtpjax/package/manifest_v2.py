@@ -242,10 +242,79 @@ def _generation_strict_issues(generation: object) -> list[dict]:
   return found
 
 
+# Field order of each object in upstream's schema (serde writes struct fields in declaration
+# order and maps sorted by key), so the identity does not depend on how a copy of the root was
+# re-serialised (a checkpoint record, an editor). `None`: a map, sorted.
+_FIELD_ORDER = {
+    "root": ("schema_version", "package_id", "model_id", "source_model", "format", "layer_count",
+             "artifact_catalog", "sidecars", "generation", "native_abi_version",
+             "generator_version", "created_at_unix_secs"),
+    "source_model": ("sha256", "metadata_artifact_id", "repo", "revision", "primary_file",
+                     "canonical_ref", "distribution_id", "files"),
+    "file": _FILE_FIELDS, "artifact": _ARTIFACT_FIELDS, "artifact_catalog": ("entries",),
+    "sidecar": ("kind", "artifact_id", "name"),
+    "generation": ("request_defaults", "speculative_decoding"),
+    "speculative_decoding": ("default", "proposers", "strategies"),
+    "proposer": ("type", "prediction_depth", "layer_indices", "ngram_min", "ngram_max",
+                 "max_proposal_tokens", "history_scope"),
+    "strategy": ("type", "proposer", "prediction_depth", "layer_indices", "primary", "extender",
+                 "extension_policy", "window_policy"),
+    "window_policy": ("default", "initial_window", "min_window", "max_window", "pipeline_depth"),
+    "extension_policy": ("max_tokens", "initial_tokens", "tail_backoff_proposals"),
+    "request_defaults": ("selection", "profiles"),
+    "selection": ("default", "reasoning_enabled", "reasoning_disabled"),
+    "profile": ("max_tokens", "stop", "temperature", "top_p", "top_k", "min_p", "typical_p",
+                "top_nsigma", "presence_penalty", "frequency_penalty", "seed", "logit_bias",
+                "repeat_penalty", "repeat_last_n", "dynatemp_range", "dynatemp_exponent", "dry",
+                "xtc", "mirostat_mode", "mirostat_entropy", "mirostat_learning_rate",
+                "samplers", "sampler_sequence", "ignore_eos", "reasoning", "provenance"),
+    "dry": ("multiplier", "base", "allowed_length", "penalty_last_n", "sequence_breakers"),
+    "xtc": ("probability", "threshold"), "reasoning": ("enabled", "format", "budget"),
+    "provenance": ("source_repo", "revision", "file", "section", "url"),
+}
+# what each field of an object holds: an object kind, or ("list"/"map", the element's kind)
+_CHILDREN = {
+    ("root", "source_model"): "source_model", ("root", "artifact_catalog"): "artifact_catalog",
+    ("root", "sidecars"): ("list", "sidecar"), ("root", "generation"): "generation",
+    ("source_model", "files"): ("list", "file"),
+    ("artifact_catalog", "entries"): ("list", "artifact"),
+    ("generation", "request_defaults"): "request_defaults",
+    ("generation", "speculative_decoding"): "speculative_decoding",
+    ("speculative_decoding", "proposers"): ("map", "proposer"),
+    ("speculative_decoding", "strategies"): ("map", "strategy"),
+    ("strategy", "window_policy"): "window_policy",
+    ("strategy", "extension_policy"): "extension_policy",
+    ("request_defaults", "selection"): "selection",
+    ("request_defaults", "profiles"): ("map", "profile"),
+    ("profile", "logit_bias"): ("map", None), ("profile", "dry"): "dry", ("profile", "xtc"): "xtc",
+    ("profile", "reasoning"): "reasoning", ("profile", "provenance"): "provenance",
+}
+
+
+def _in_schema_order(value, kind):
+  if kind is None or not isinstance(value, dict):
+    return value
+  order = _FIELD_ORDER[kind]
+  ordered = {}
+  for key in sorted(value, key=lambda key: (order.index(key) if key in order else len(order),
+                                             key)):
+    child = _CHILDREN.get((kind, key))
+    item = value[key]
+    if isinstance(child, tuple) and child[0] == "list" and isinstance(item, list):
+      item = [_in_schema_order(element, child[1]) for element in item]
+    elif isinstance(child, tuple) and isinstance(item, dict):
+      item = {name: _in_schema_order(item[name], child[1]) for name in sorted(item)}
+    elif isinstance(child, str):
+      item = _in_schema_order(item, child)
+    ordered[key] = item
+  return ordered
+
+
 def canonical_package_id(raw: dict) -> str:
   """`sha256:` + SHA-256 of the root with `package_id` blank, `created_at_unix_secs` 0, source
   files sorted by path, artifacts by id and sidecars by (kind, name, artifact_id), serialised
-  compactly in the root's own field order (the order upstream's schema writes)."""
+  compactly with every object's fields in the schema's order and maps sorted by key (what
+  upstream's serde serialisation gives)."""
   normal = copy.deepcopy(raw)
   normal["package_id"] = ""
   normal["created_at_unix_secs"] = 0
@@ -254,8 +323,8 @@ def canonical_package_id(raw: dict) -> str:
   if "sidecars" in normal:
     normal["sidecars"].sort(key=lambda entry: (entry["kind"], "name" in entry,
                                                entry.get("name", ""), entry["artifact_id"]))
-  data = json.dumps(normal, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-  return PACKAGE_ID_PREFIX + hashlib.sha256(data).hexdigest()
+  text = json.dumps(_in_schema_order(normal, "root"), separators=(",", ":"), ensure_ascii=False)
+  return PACKAGE_ID_PREFIX + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def root_issues(raw: dict, package_root: pathlib.Path | None = None) -> list[dict]:
