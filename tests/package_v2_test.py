@@ -22,7 +22,9 @@ from fixtures import FIXTURES
 
 FIXTURE = FIXTURES / "glm4moe-tiny/glm4moe_h64-Q8_0.gguf"
 MODEL_ID = "zai-org/glm4moe-tiny:Q8_0"
-MODELS = ("glm", "demo")
+# (model, v2 layout): "split" keeps embeddings and output apart, "common" holds every non-layer
+# tensor in one artifact (upstream's newer writer)
+MODELS = (("glm", "split"), ("glm", "common"), ("demo", "split"))
 
 
 def _reassemble(package: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
@@ -68,14 +70,18 @@ class RoundTripTest(parameterized.TestCase):
     cls.packages = {
         ("glm", 1): writer.split_gguf(FIXTURE, cls.tmp / "glm-v1", model_id=MODEL_ID,
                                       generation_format="mtp"),
-        ("glm", 2): writer_v2.split_gguf_v2(FIXTURE, cls.tmp / "glm-v2", model_id=MODEL_ID),
+        ("glm", "split"): writer_v2.split_gguf_v2(FIXTURE, cls.tmp / "glm-v2",
+                                                  model_id=MODEL_ID),
+        ("glm", "common"): writer_v2.split_gguf_v2(FIXTURE, cls.tmp / "glm-v2-common",
+                                                   model_id=MODEL_ID, common=True),
         ("demo", 1): embedded.DEMO_PACKAGE,
-        ("demo", 2): writer_v2.split_gguf_v2(demo_source, cls.tmp / "demo-v2", model_id=MODEL_ID,
-                                             generation_format="native-mtp-n1")}
+        ("demo", "split"): writer_v2.split_gguf_v2(demo_source, cls.tmp / "demo-v2",
+                                                   model_id=MODEL_ID,
+                                                   generation_format="native-mtp-n1")}
 
   @parameterized.parameters(*MODELS)
-  def test_v2_layout_and_identity(self, model):
-    package = self.packages[model, 2]
+  def test_v2_layout_and_identity(self, model, layout):
+    package = self.packages[model, layout]
     root = json.loads((package / "model-package.json").read_text())
     self.assertEqual(root["package_id"], _expected_package_id(root))
     layer_count = root["layer_count"]
@@ -87,8 +93,8 @@ class RoundTripTest(parameterized.TestCase):
     self.assertEqual(preflight.preflight(package, check_sha=True)["issues"], [])
 
   @parameterized.parameters(*MODELS)
-  def test_same_tensors_and_metadata_as_v1_and_the_source(self, model):
-    v1, v2 = _contents(self.packages[model, 1]), _contents(self.packages[model, 2])
+  def test_same_tensors_and_metadata_as_v1_and_the_source(self, model, layout):
+    v1, v2 = _contents(self.packages[model, 1]), _contents(self.packages[model, layout])
     self.assertEqual(v1, v2)
     # the source read by the real gguf library, not by mtpjax
     source = gguf.GGUFReader(self.sources[model])
@@ -96,9 +102,9 @@ class RoundTripTest(parameterized.TestCase):
                      {name: data for name, (_, _, data) in v2[1].items()})
 
   @parameterized.parameters(*MODELS)
-  def test_same_stage_plans_and_streams(self, model):
+  def test_same_stage_plans_and_streams(self, model, layout):
     with reader.open_source(self.packages[model, 1]) as v1, \
-         reader.open_source(self.packages[model, 2]) as v2:
+         reader.open_source(self.packages[model, layout]) as v2:
       self.assertEqual(v1.layer_count, v2.layer_count)
       self.assertEqual(v1.activation_width, v2.activation_width)
       for stages in sorted({2, v1.layer_count}):
@@ -113,12 +119,12 @@ class RoundTripTest(parameterized.TestCase):
                           extra=extra)} for source in (v1, v2)]
           self.assertEqual(streams[0], streams[1], (stages, stage))
     reports = [preflight.preflight(self.packages[model, version], stages=2)["stages"]
-               for version in (1, 2)]
+               for version in (1, layout)]
     self.assertEqual([stage["parts"] for stage in reports[0]],
                      [stage["parts"] for stage in reports[1]])
 
   @parameterized.parameters(*MODELS)
-  def test_same_speculative_resolution(self, model):
+  def test_same_speculative_resolution(self, model, layout):
     def resolve(source, strategy, env):
       config = glm.get_config()
       config.defaults.speculative.strategy = strategy
@@ -128,7 +134,7 @@ class RoundTripTest(parameterized.TestCase):
               resolution.disabled_by_env)
 
     with reader.open_source(self.packages[model, 1]) as v1, \
-         reader.open_source(self.packages[model, 2]) as v2:
+         reader.open_source(self.packages[model, layout]) as v2:
       for strategy in (None, "mtp", "native-mtp-n1", "disabled", "ngram-simple"):
         for env in ({}, {"MTPJAX_NATIVE_MTP": "0"}):
           self.assertEqual(resolve(v1, strategy, env), resolve(v2, strategy, env),
@@ -138,10 +144,10 @@ class RoundTripTest(parameterized.TestCase):
   def test_root_alone_gives_identity_and_generation(self):
     """What a converted checkpoint keeps is the root JSON, without the package (and with its
     keys re-ordered: the identity follows the schema's field order, not the file's)."""
-    text = (self.packages["glm", 2] / "model-package.json").read_text()
+    text = (self.packages["glm", "split"] / "model-package.json").read_text()
     raw = json.loads(json.dumps(json.loads(text), sort_keys=True))
     root_only = manifest_lib.parse_manifest(raw, path="model-package.json")
-    with reader.open_source(self.packages["glm", 2]) as source:
+    with reader.open_source(self.packages["glm", "split"]) as source:
       full = source.manifest
     self.assertEqual((root_only.model_id, root_only.generation, root_only.package_id),
                      (full.model_id, full.generation, full.package_id))
@@ -154,7 +160,7 @@ class RoundTripTest(parameterized.TestCase):
     """The one jax load (generation from identical tensors is the loader's own tests' job): the
     demo model loads from its v2 package with native MTP on."""
     import mtpjax  # pylint: disable=import-outside-toplevel
-    model = mtpjax.load(str(self.packages["demo", 2]))
+    model = mtpjax.load(str(self.packages["demo", "split"]))
     self.assertTrue(model.resolution.native_mtp)
     with reader.open_source(self.packages["demo", 1]) as v1:
       self.assertEqual(model.resolution.mtp_layer_index, v1.layer_count - 1)

@@ -35,8 +35,10 @@ class SourceModel:
 
 @dataclasses.dataclass(frozen=True)
 class Artifact:
-  """One GGUF fragment: `shared.*`, `layers[]` or `projectors[]`."""
+  """One GGUF fragment: `shared.*`, `layers[]` or `projectors[]` (v1), or one v2 catalog
+  artifact (the carrier, a payload or a sidecar)."""
   role: str                    # "metadata" | "embeddings" | "output" | "layer" | "projector"
+                               # | "shared" (a v2 payload that is no layer: common tensors)
   path: str
   tensor_count: int
   tensor_bytes: int
@@ -44,6 +46,7 @@ class Artifact:
   sha256: str
   layer_index: int | None = None
   kind: str | None = None      # projectors only: "mmproj"
+  label: str | None = None     # v2 payloads: the reader's part label ("layer:3", "shared:<id>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +131,7 @@ class Generation:
 @dataclasses.dataclass(frozen=True)
 class TensorLocation:
   """Where a v2 package stores one tensor: a byte range of one payload artifact (its label in
-  the reader: "embeddings", "layer:3", "output"), as the metadata carrier's locator says."""
+  the reader: "layer:3" or "shared:<artifact id>"), as the metadata carrier's locator says."""
   label: str
   start: int                  # absolute offset in the artifact file
   n_bytes: int
@@ -157,6 +160,7 @@ class Manifest:
   # schema v2 only: the canonical identity, and what the metadata carrier holds (its key/values
   # feed the model configuration; the locator says where each tensor's bytes are)
   package_id: str | None = None
+  payloads: tuple[Artifact, ...] = ()   # v2: every payload artifact, in part-index order
   tensor_locator: dict[str, TensorLocation] | None = dataclasses.field(
       default=None, compare=False, repr=False)
   carrier_key_values: tuple[Any, ...] = dataclasses.field(default=(), compare=False, repr=False)

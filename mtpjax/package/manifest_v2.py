@@ -2,9 +2,10 @@
 
 A v2 root (LAYER_PACKAGES.md §10) names an artifact catalog and a payload-free metadata
 carrier (`carrier.py`); the tensors' roles, per-artifact counts and byte ranges come from the
-carrier. Both together parse into the same `Manifest` as v1 (one payload artifact per layer plus
-the embeddings and output artifacts) with a tensor locator, so stage planning, streaming and
-strategy resolution do not know which schema they read. Validation codes are upstream's
+carrier. Both together parse into the same `Manifest` as v1 (one payload artifact per layer; the
+embeddings and output slots name the artifacts that own those tensors, which may be one common
+artifact) with a tensor locator, so stage planning, streaming and strategy resolution do not
+know which schema they read. Validation codes are upstream's
 (`skippy-package-format`); the root and its generation block reject unknown fields.
 """
 
@@ -18,8 +19,7 @@ import re
 
 from mtpjax.package import carrier as carrier_lib, generation_rules, integrity, manifest_types
 from mtpjax.package.issues import errors_of, is_blank, is_int, issue
-from mtpjax.package.roles import (ROLE_EMBEDDING, ROLE_FINAL_NORM, ROLE_LAYER, ROLE_METADATA,
-                                  ROLE_OUTPUT, tensor_role)
+from mtpjax.package.roles import ROLE_LAYER, tensor_role
 
 SCHEMA_VERSION = 2
 PACKAGE_ID_PREFIX = "sha256:"
@@ -374,16 +374,15 @@ def payload_artifacts(raw: dict) -> list[carrier_lib.PayloadArtifact]:
           if entry["id"] not in skip]
 
 
-def _part_label(roles: set[tuple[str, int | None]]) -> str | None:
-  """The v1-shaped slot a payload artifact fills, from the roles of the tensors it stores."""
-  owned = {(role, index) for role, index in roles if role != ROLE_METADATA}
-  kinds = {role for role, _ in owned}
-  if kinds == {ROLE_LAYER} and len(owned) == 1:
-    return f"layer:{next(iter(owned))[1]}"
-  if kinds == {ROLE_EMBEDDING}:
-    return "embeddings"
-  if kinds and kinds <= {ROLE_OUTPUT, ROLE_FINAL_NORM}:
-    return "output"
+def _part_label(payload: carrier_lib.PayloadArtifact, roles: set) -> str | None:
+  """A payload's part label from the roles of the tensors it owns: `layer:i` when they all
+  belong to layer i, `shared:<id>` when none is a layer tensor (embeddings, output, norms and
+  model-wide tensors, together or apart), None for a mix mtpjax does not stage."""
+  layers = {index for role, index in roles if role == ROLE_LAYER}
+  if not layers:
+    return f"shared:{payload.id}"
+  if len(layers) == 1 and all(role == ROLE_LAYER for role, _ in roles):
+    return f"layer:{layers.pop()}"
   return None
 
 
@@ -411,17 +410,20 @@ def resolve(raw: dict, package_root: pathlib.Path) -> tuple[manifest_types.Manif
     roles[tensor.part].add(tensor_role(tensor.name))
   labels = {}
   for part, payload in enumerate(payloads):
-    label = _part_label(roles[part])
+    label = _part_label(payload, roles[part])
     if label is None or label in labels.values():
       found.append(issue("unsupported_artifact_layout", f"payload artifact {payload.id!r} "
-                         f"({payload.path}) stores tensors of roles {sorted(map(str, roles[part]))}"
-                         f"; mtpjax loads v2 packages with one payload artifact per layer plus one "
-                         "for the embeddings and one for the output", path=payload.path))
+                         f"({payload.path}) owns tensors of {sorted(map(str, roles[part]))}; "
+                         "mtpjax stages v2 packages whose payload artifacts each hold one layer "
+                         "or no layer at all", path=payload.path))
     labels[part] = label
-  expected = {"embeddings", "output"} | {f"layer:{i}" for i in range(raw["layer_count"])}
-  for label in sorted(expected - set(labels.values()), key=str):
-    found.append(issue("missing_layer" if label.startswith("layer") else "missing_artifact",
-                       f"package has no payload artifact for {label}"))
+  missing = sorted(set(range(raw["layer_count"])) - {
+      int(label.split(":")[1]) for label in labels.values() if label and label[:6] == "layer:"})
+  found.extend(issue("missing_layer", f"package is missing layer {index}: no payload artifact "
+                     "owns its tensors") for index in missing[:16])
+  if not any(label and label.startswith("shared:") for label in labels.values()):
+    found.append(issue("missing_artifact", "package has no payload artifact for the "
+                       "embeddings and output tensors"))
   if errors_of(found):
     return None, found
   return _manifest(raw, carrier, payloads, labels), []
@@ -472,23 +474,32 @@ def _manifest(raw: dict, carrier: carrier_lib.Carrier, payloads: list[carrier_li
       alignment=tensor.alignment, ggml_type=tensor.ggml_type, ne=tensor.ne)
       for tensor in carrier.tensors}
   artifacts = _artifacts_by_id(raw)
-  by_label: dict[str, manifest_types.Artifact] = {}
+  parts = []
   for part, payload in enumerate(payloads):
     label = labels[part]
     stored = [tensor.n_bytes for tensor in carrier.tensors if tensor.part == part]
-    by_label[label] = manifest_types.Artifact(
-        role="layer" if label.startswith("layer") else label, path=payload.path,
-        tensor_count=len(stored), tensor_bytes=sum(stored), artifact_bytes=payload.byte_size,
+    layer = label.startswith("layer:")
+    parts.append(manifest_types.Artifact(
+        role="layer" if layer else "shared", path=payload.path, tensor_count=len(stored),
+        tensor_bytes=sum(stored), artifact_bytes=payload.byte_size,
         sha256=artifacts[payload.id]["sha256"],
-        layer_index=int(label.split(":")[1]) if label.startswith("layer") else None)
+        layer_index=int(label.split(":")[1]) if layer else None, label=label))
+  by_label = {artifact.label: artifact for artifact in parts}
+  shared = [artifact for artifact in parts if artifact.role == "shared"]
+
+  def holder(names: tuple[str, ...]) -> manifest_types.Artifact:
+    labels_held = [locator[name].label for name in names if name in locator]
+    return by_label[labels_held[0]] if labels_held else shared[0]
+
   projectors = tuple(manifest_types.Artifact(
       role="projector", path=artifacts[entry["artifact_id"]]["path"], tensor_count=0,
       tensor_bytes=0, artifact_bytes=artifacts[entry["artifact_id"]]["byte_size"],
       sha256=artifacts[entry["artifact_id"]]["sha256"], kind=entry["kind"])
       for entry in raw.get("sidecars") or ())
   return manifest_types.Manifest(
-      shared_metadata=_carrier_artifact(raw), shared_embeddings=by_label["embeddings"],
-      shared_output=by_label["output"],
+      shared_metadata=_carrier_artifact(raw),
+      shared_embeddings=holder(("token_embd.weight",)),
+      shared_output=holder(("output_norm.weight", "output.weight")),
       layers=tuple(by_label[f"layer:{i}"] for i in range(raw["layer_count"])),
       projectors=projectors, tensor_locator=locator, carrier_key_values=carrier.key_values,
-      **_root_fields(raw))
+      payloads=tuple(parts), **_root_fields(raw))

@@ -41,14 +41,15 @@ def _artifact_entries(raw: dict) -> list[tuple[str, str, int | None, dict]]:
   return found
 
 
-def _check_artifacts(root: pathlib.Path, raw: dict, check_sha: bool
+def _check_artifacts(root: pathlib.Path, entries: list[tuple[str, str, int | None, dict]],
+                     check_sha: bool
                      ) -> tuple[list[dict], list[dict], dict[str, tuple[int, bool]]]:
   """(artifact reports, new issues, part label -> (declared bytes, present)).
 
   Entries with an unsafe path are not touched on disk; manifest validation reports them.
   """
   reports, found, parts = [], [], {}
-  for report_role, issue_role, index, entry in _artifact_entries(raw):
+  for report_role, issue_role, index, entry in entries:
     path = entry.get("path")
     if integrity.unsafe_path_reason(path) or integrity.escape_reason(root, path):
       continue
@@ -130,22 +131,25 @@ def _generation_echo(generation: object) -> object:
   return {"speculative_decoding": echo}
 
 
-def _v1_shaped(manifest: manifest_lib.Manifest) -> dict:
-  """A parsed v2 package's artifacts in the v1 layout the report is built from: the carrier as
-  `metadata`, the payload artifacts in the slots their tensors fill."""
+def _v2_entries(manifest: manifest_lib.Manifest) -> list[tuple[str, str, int | None, dict]]:
+  """A parsed v2 package's artifacts as `_artifact_entries` gives v1's: the carrier as
+  `metadata`, the payloads owning the embeddings and the output under those roles (one common
+  artifact takes the first), other non-layer payloads as `shared`."""
   def entry(artifact: manifest_lib.Artifact) -> dict:
     return {"path": artifact.path, "artifact_bytes": artifact.artifact_bytes,
-            "sha256": artifact.sha256, "layer_index": artifact.layer_index}
-  values = {item.key: item.value for item in manifest.carrier_key_values}
-  width = values.get(f"{values.get('general.architecture')}.embedding_length")
-  return {"schema_version": manifest.schema_version, "model_id": manifest.model_id,
-          "layer_count": manifest.layer_count, "activation_width": width,
-          "generation": manifest.raw.get("generation"),
-          "shared": {"metadata": entry(manifest.shared_metadata),
-                     "embeddings": entry(manifest.shared_embeddings),
-                     "output": entry(manifest.shared_output)},
-          "layers": [entry(layer) for layer in manifest.layers],
-          "projectors": [entry(projector) for projector in manifest.projectors]}
+            "sha256": artifact.sha256}
+  found = [("metadata", "metadata carrier", None, entry(manifest.shared_metadata))]
+  for artifact in manifest.payloads:
+    if artifact.role == "layer":
+      found.append(("layer", f"layer {artifact.layer_index}", artifact.layer_index,
+                    entry(artifact)))
+    else:
+      role = ("embeddings" if artifact is manifest.shared_embeddings else
+              "output" if artifact is manifest.shared_output else "shared")
+      found.append((role, f"{role} ({artifact.label})", None, entry(artifact)))
+  found += [("projector", "mmproj projector", None, entry(projector))
+            for projector in manifest.projectors]
+  return found
 
 
 def preflight(package_dir: str | pathlib.Path, *, stages: int | None = None,
@@ -169,18 +173,27 @@ def preflight(package_dir: str | pathlib.Path, *, stages: int | None = None,
       found.append(record)
     else:
       found.extend(manifest_lib.manifest_issues(raw, root))
+  v2 = None
   if isinstance(raw, dict) and raw.get("schema_version") == 2 and not errors_of(found):
-    raw = _v1_shaped(manifest_lib.parse_manifest(raw, path=manifest_path, package_root=root))
-  usable = isinstance(raw, dict) and raw.get("schema_version") in (1, 2)
+    v2 = manifest_lib.parse_manifest(raw, path=manifest_path, package_root=root)
+  usable = isinstance(raw, dict) and (raw.get("schema_version") == 1 or v2 is not None)
   fields = {"model_id": None, "layer_count": None, "activation_width": None}
   if usable:
     fields["model_id"] = raw.get("model_id") if isinstance(raw.get("model_id"), str) else None
     for field in ("layer_count", "activation_width"):
       fields[field] = raw.get(field) if is_int(raw.get(field)) and raw[field] > 0 else None
-    artifacts, file_issues, parts = _check_artifacts(root, raw, check_sha)
+    if v2 is not None:
+      values = {item.key: item.value for item in v2.carrier_key_values}
+      fields["activation_width"] = values.get(f"{values.get('general.architecture')}"
+                                              ".embedding_length")
+    artifacts, file_issues, parts = _check_artifacts(
+        root, _artifact_entries(raw) if v2 is None else _v2_entries(v2), check_sha)
     found.extend(file_issues)
+    if v2 is not None and "output" not in parts:    # one common artifact owns both boundaries
+      parts["output"] = parts["embeddings"]
     plan_layers = fields["layer_count"]
-    listed = raw["layers"] if isinstance(raw.get("layers"), list) else []
+    listed = raw["layers"] if v2 is None and isinstance(raw.get("layers"), list) else (
+        v2.layers if v2 is not None else [])
     if plan_layers is not None and plan_layers > len(listed):
       plan_layers = None   # missing layers are reported above; a plan would be as big as the claim
     if stages is not None:

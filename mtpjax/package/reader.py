@@ -105,16 +105,16 @@ class _Part:
 
 class _OpenFile:
   def __init__(self, reader: gguf.GGUFReader, part: _Part | None = None,
-               located: dict[str, manifest_lib.TensorLocation] | None = None):
+               located: dict[str, tuple[bool, Any]] | None = None):
     """`part`: a package artifact, whose manifest tensor_count / tensor_bytes must describe the
     file (a type id rewritten to a smaller type would otherwise still fit its byte range).
-    `located`: a v2 payload artifact's tensors as the carrier's locator places them; the file's
-    own directory must agree entry for entry (name, type, shape, byte range)."""
+    `located`: for a v2 payload, the carrier's locator (`ModelSource._located`); the file's own
+    directory must agree with it (`_check_located`)."""
     self.reader = reader
     self.index = {tensor.name: tensor for tensor in reader.tensors}
-    if located is not None:
+    if located is not None:          # v2: the locator, not the manifest counts, describes it
       _check_located(self.index, located, part)
-    if part is not None and part.artifact is not None:
+    elif part is not None and part.artifact is not None:
       found = (len(reader.tensors), sum(int(tensor.n_bytes) for tensor in reader.tensors))
       declared = (part.artifact.tensor_count, part.artifact.tensor_bytes)
       if found != declared:
@@ -124,18 +124,24 @@ class _OpenFile:
             field=part.label, remedy="re-download the package or re-split the source GGUF")
 
 
-def _check_located(index: dict[str, Any], located: dict[str, manifest_lib.TensorLocation],
+def _check_located(index: dict[str, Any], located: dict[str, tuple[bool, Any]],
                    part: _Part) -> None:
+  """Every tensor the locator places in this payload is in its directory with that type, shape
+  and byte range; any other tensor in the file is a copy of one owned elsewhere (same type and
+  shape), which the reader skips."""
   found = {name: (int(tensor.tensor_type), tuple(int(dim) for dim in tensor.shape),
                   int(tensor.data_offset), int(tensor.n_bytes)) for name, tensor in index.items()}
-  expected = {name: (where.ggml_type, where.ne, where.start, where.n_bytes)
-              for name, where in located.items()}
-  if found != expected:
-    differ = sorted(name for name in found.keys() | expected.keys()
-                    if found.get(name) != expected.get(name))
+  differ = []
+  for name, (owned, where) in located.items():
+    if owned and found.get(name) != where:
+      differ.append(name)
+  differ += [name for name, (kind, ne, _, _) in found.items()
+             if name not in located or (kind, ne) != located[name][1][:2]]
+  if differ:
     raise errors.PackageError(
         f"payload artifact {part.path} disagrees with the metadata carrier's locator for "
-        f"{differ[:5]} (name, type, shape or byte range)", path=str(part.path), field=part.label,
+        f"{sorted(set(differ))[:5]} (name, type, shape or byte range)", path=str(part.path),
+        field=part.label,
         remedy="re-download the package or re-split the source GGUF")
 
 
@@ -208,12 +214,15 @@ class ModelSource:
     if check_sha:
       self._hashed.add(part.path)
 
-  def _located(self, part: _Part) -> dict[str, manifest_lib.TensorLocation] | None:
-    """A v2 payload artifact's tensors by the carrier's locator (None for v1 and GGUFs)."""
+  def _located(self, part: _Part) -> dict[str, tuple[bool, Any]] | None:
+    """For a v2 payload: every carrier tensor as (owned by this part, its (type, ne, start,
+    n_bytes)); None for v1 and GGUFs."""
     locator = self.manifest.tensor_locator if self.manifest is not None else None
     if locator is None or part.artifact is None:
       return None
-    return {name: where for name, where in locator.items() if where.label == part.label}
+    return {name: (where.label == part.label,
+                   (where.ggml_type, where.ne, where.start, where.n_bytes))
+            for name, where in locator.items()}
 
   def _part_of(self, name: str) -> _Part:
     locator = self.manifest.tensor_locator if self.manifest is not None else None
@@ -244,9 +253,13 @@ class ModelSource:
                       path=str(part.path))
 
   def _is_replica(self, name: str, part: _Part) -> bool:
-    """Metadata-role tensors are repeated in every fragment; only shared.metadata's count."""
-    return (self.manifest is not None and self.manifest.tensor_locator is None
-            and part.label != "metadata" and tensor_role(name)[0] == ROLE_METADATA)
+    """v1 repeats metadata-role tensors in every fragment (only shared.metadata's count); a v2
+    payload may hold copies of tensors the locator places in another payload."""
+    if self.manifest is None:
+      return False
+    if self.manifest.tensor_locator is not None:
+      return self.manifest.tensor_locator[name].label != part.label
+    return part.label != "metadata" and tensor_role(name)[0] == ROLE_METADATA
 
   def _tensor_parts(self) -> list[_Part]:
     """Parts that store tensors: not projectors, and not a v2 metadata carrier (payload-free)."""
@@ -377,6 +390,12 @@ class ModelSource:
 # -- open_source -----------------------------------------------------------------------------
 
 def _package_parts(root: pathlib.Path, manifest: manifest_lib.Manifest) -> list[_Part]:
+  if manifest.tensor_locator is not None:      # v2: the carrier, then each payload once
+    return ([_Part("metadata", root / manifest.shared_metadata.path, manifest.shared_metadata)]
+            + [_Part(artifact.label, root / artifact.path, artifact)
+               for artifact in manifest.payloads]
+            + [_Part(f"projector:{position}", root / projector.path, projector)
+               for position, projector in enumerate(manifest.projectors)])
   parts = [_Part("metadata", root / manifest.shared_metadata.path, manifest.shared_metadata),
            _Part("embeddings", root / manifest.shared_embeddings.path, manifest.shared_embeddings)]
   parts += [_Part(f"layer:{layer.layer_index}", root / layer.path, layer)
@@ -396,6 +415,7 @@ def _scope_parts(parts: list[_Part], scope: Any, layer_count: int) -> list[_Part
   if isinstance(scope, planning.StageRange):
     planning.check_stage(scope, layer_count)
     labels = {"metadata"} | {f"layer:{i}" for i in range(scope.layer_start, scope.layer_end)}
+    labels |= {part.label for part in parts if part.label.startswith("shared:")}   # v2
     if scope.includes_embeddings:
       labels |= {"embeddings", "projector:0"}
     if scope.includes_output:

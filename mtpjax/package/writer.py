@@ -192,9 +192,8 @@ def check_exactly_once(package_dir: pathlib.Path, source: ModelSource) -> None:
   # The hashes were taken from these very files as they were written, and every tensor's
   # bytes are compared with the source below, so re-hashing here would catch nothing new.
   manifest = manifest_lib.load_manifest(package_dir)
-  artifacts = [manifest.shared_embeddings, *manifest.layers, manifest.shared_output]
-  if manifest.tensor_locator is None:           # a v2 carrier stores no tensor bytes
-    artifacts.insert(0, manifest.shared_metadata)
+  artifacts = list(manifest.payloads) or [manifest.shared_metadata, manifest.shared_embeddings,
+                                          *manifest.layers, manifest.shared_output]
   seen: collections.Counter[str] = collections.Counter()
   problems = []
   for artifact in artifacts:

@@ -11,6 +11,7 @@ install) are `writer.split_with`.
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import struct
@@ -27,17 +28,24 @@ CARRIER_ID = "metadata"
 CARRIER_PATH = "shared/metadata.gguf"
 GENERATOR = "mtpjax"
 DEFAULT_GENERATION_FORMAT = "mtp"       # what upstream's v2 writer emits
+FORMAT = "gguf"                         # upstream's v2 writer's `format` (v1: layer-package)
 
 
-def fragment_plan(layer_count: int) -> dict[str, writer.Fragment]:
-  """Payload artifacts by id: embeddings (with the metadata-role tensors), layers, output."""
-  plan = {"embeddings": writer.Fragment("embeddings", "shared/embeddings.gguf", 0, 0,
-                                        embeddings=True, key_values=False)}
+def fragment_plan(layer_count: int, common: bool = False) -> dict[str, writer.Fragment]:
+  """Payload artifacts by id: embeddings (with the metadata-role tensors), layers, output; with
+  `common`, one `common` artifact instead of embeddings and output (upstream's newer layout)."""
+  if common:
+    plan = {"common": writer.Fragment("common", "shared/common.gguf", layer_count, layer_count,
+                                      embeddings=True, output=True, key_values=False)}
+  else:
+    plan = {"embeddings": writer.Fragment("embeddings", "shared/embeddings.gguf", 0, 0,
+                                          embeddings=True, key_values=False)}
   plan.update({f"layer-{index:05d}": writer.Fragment(
       f"layer {index}", f"layers/layer-{index:05d}.gguf", index, index + 1,
       metadata_tensors=False, key_values=False) for index in range(layer_count)})
-  plan["output"] = writer.Fragment("output", "shared/output.gguf", layer_count, layer_count,
-                                   output=True, metadata_tensors=False, key_values=False)
+  if not common:
+    plan["output"] = writer.Fragment("output", "shared/output.gguf", layer_count, layer_count,
+                                     output=True, metadata_tensors=False, key_values=False)
   return plan
 
 
@@ -90,10 +98,10 @@ def _source_model(record: dict) -> dict:
   return source
 
 
-def write_package(inputs: writer.PackageInputs) -> None:
+def write_package(inputs: writer.PackageInputs, common: bool = False) -> None:
   """Writes the payload artifacts, then the carrier that locates their tensors, then the root."""
   source, staging = inputs.source, inputs.staging
-  plan = fragment_plan(source.layer_count)
+  plan = fragment_plan(source.layer_count, common)
   part_ids = sorted(plan)                                   # part index = position by id
   entries, locations = [], {}
   for part, artifact_id in enumerate(part_ids):
@@ -106,7 +114,7 @@ def write_package(inputs: writer.PackageInputs) -> None:
   entries.append(_write_carrier(inputs, locations, len(part_ids)))
   root = {"schema_version": manifest_v2.SCHEMA_VERSION, "package_id": "",
           "model_id": inputs.model_id, "source_model": _source_model(inputs.source_model),
-          "format": manifest_lib.FORMAT, "layer_count": source.layer_count,
+          "format": FORMAT, "layer_count": source.layer_count,
           "artifact_catalog": {"entries": sorted(entries, key=lambda entry: entry["id"])}}
   if inputs.generation is not None:
     root["generation"] = inputs.generation
@@ -122,8 +130,11 @@ def write_package(inputs: writer.PackageInputs) -> None:
 def split_gguf_v2(src: str | pathlib.Path, out_dir: str | pathlib.Path, *,
                   model_id: str | None, revision: str | None = None, overwrite: bool = False,
                   primary_file: str | None = None,
-                  generation_format: str = DEFAULT_GENERATION_FORMAT) -> pathlib.Path:
-  """`writer.split_gguf` for schema v2; the package loads exactly like its v1 twin."""
-  return writer.split_with(write_package, src, out_dir, model_id=model_id, revision=revision,
+                  generation_format: str = DEFAULT_GENERATION_FORMAT,
+                  common: bool = False) -> pathlib.Path:
+  """`writer.split_gguf` for schema v2; the package loads exactly like its v1 twin. `common`
+  puts every non-layer tensor in one artifact, as upstream's newer writer does."""
+  return writer.split_with(functools.partial(write_package, common=common), src, out_dir,
+                           model_id=model_id, revision=revision,
                            overwrite=overwrite, primary_file=primary_file,
                            generation_format=generation_format)
