@@ -133,8 +133,8 @@ REMEDIES: dict[str, str] = {
                                  + _RESPLIT + " --schema-version 2",
     "invalid_generation_value": "use the generation types and fields schema v2 defines "
                                 "(native-mtp, ngram-cache, ngram-suffix, composite)",
-    "unsupported_artifact_layout": "mtpjax loads v2 packages with one payload artifact per layer "
-                                   "plus one each for the embeddings and the output; "
+    "unsupported_artifact_layout": "mtpjax stages v2 packages whose payload artifacts each own "
+                                   "one layer's tensors or no layer tensors; "
                                    + _RESPLIT + " --schema-version 2",
     "invalid_stage_count": "pass --stages greater than zero",
     "stage_count_exceeds_layer_count": "use at most layer_count stages",
