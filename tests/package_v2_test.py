@@ -2,6 +2,8 @@
 model split as v1 and as v2 read the same (tensor bytes, metadata, stage plans, speculative
 resolution), and hostile v2 roots and carriers give typed errors naming the field."""
 
+import dataclasses
+import functools
 import hashlib
 import json
 import pathlib
@@ -164,6 +166,39 @@ class RoundTripTest(parameterized.TestCase):
     self.assertTrue(model.resolution.native_mtp)
     with reader.open_source(self.packages["demo", 1]) as v1:
       self.assertEqual(model.resolution.mtp_layer_index, v1.layer_count - 1)
+
+
+class CopiedTensorsTest(absltest.TestCase):
+  """Upstream's first v2 writer copied model-wide tensors (`rope_freqs.weight`) into every
+  payload file while the carrier names one owner: the copies are checked and skipped."""
+
+  def test_copies_load_once_with_the_owners_bytes(self):
+    tmp = examples.temporary_directory(self)
+    rng = np.random.default_rng(0)
+    tensors = {"token_embd.weight": rng.standard_normal((8, 4), dtype=np.float32),
+               "rope_freqs.weight": rng.standard_normal(2, dtype=np.float32),
+               "output_norm.weight": rng.standard_normal(4, dtype=np.float32),
+               **{f"blk.{i}.attn_norm.weight": rng.standard_normal(4, dtype=np.float32)
+                  for i in range(2)}}
+    source = examples.write_gguf(tmp / "src.gguf", tensors,
+                                 key_values=[("llama.embedding_length", 4,
+                                              gguf.GGUFValueType.UINT32)])[0]
+    plan = {artifact_id: dataclasses.replace(fragment, metadata_tensors=True)
+            for artifact_id, fragment in writer_v2.fragment_plan(2, common=True).items()}
+    package = writer.split_with(functools.partial(writer_v2.write_package, plan=plan), source,
+                                tmp / "pkg", model_id=MODEL_ID, revision=None, overwrite=False,
+                                primary_file=None, generation_format="mtp")
+    copies = [name for name in (package / "layers").iterdir()
+              if "rope_freqs.weight" in {t.name for t in gguf.GGUFReader(name).tensors}]
+    self.assertLen(copies, 2)
+    with reader.open_source(package, verify="sha256") as opened:
+      streamed = [info.name for info, _ in opened.iter_stage_tensors(1, 2, embeddings=False,
+                                                                    output=False)]
+      self.assertEqual(sorted(streamed), ["blk.1.attn_norm.weight", "rope_freqs.weight"])
+      self.assertEqual(np.asarray(opened.raw("rope_freqs.weight")).tobytes(),
+                       tensors["rope_freqs.weight"].tobytes())
+      self.assertEqual(opened.tensors["rope_freqs.weight"].path,
+                       str(package / "shared/common.gguf"))
 
 
 def _rewrite_root(package: pathlib.Path, mutate, *, reidentify: bool = True) -> None:
@@ -390,6 +425,16 @@ class HostileTest(parameterized.TestCase):
     _patch_carrier(self.copy, carrier_lib.TENSOR_PART_KEY, 0, int(gguf.GGUFValueType.INT32),
                    item_offset=1)
     self._assert_rejected("invalid_metadata_artifact", "must be an array of UINT32")
+
+  def test_payload_owning_two_layers(self):
+    entries = _locator(self.copy)
+    layer0_part = next(part for name, part, _, _ in entries if name.startswith("blk.0."))
+    small = next(index for index, (name, _, _, size) in enumerate(entries)
+                 if name.startswith("blk.1.") and size <= 256)
+    # a blk.1 tensor placed in layer 0's file, over its header bytes (a range no tensor uses)
+    _patch_carrier(self.copy, carrier_lib.TENSOR_PART_KEY, small, layer0_part)
+    _patch_carrier(self.copy, carrier_lib.TENSOR_OFFSET_KEY, small, 32)
+    self._assert_rejected("unsupported_artifact_layout", "owns tensors of")
 
   def test_locator_that_disagrees_with_the_payload_directory(self):
     entries = _locator(self.copy)

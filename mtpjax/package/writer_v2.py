@@ -98,17 +98,22 @@ def _source_model(record: dict) -> dict:
   return source
 
 
-def write_package(inputs: writer.PackageInputs, common: bool = False) -> None:
-  """Writes the payload artifacts, then the carrier that locates their tensors, then the root."""
+def write_package(inputs: writer.PackageInputs, common: bool = False,
+                  plan: dict[str, writer.Fragment] | None = None) -> None:
+  """Writes the payload artifacts, then the carrier that locates their tensors, then the root.
+
+  `plan` (default `fragment_plan`) may put a tensor in several payloads, as upstream's first v2
+  writer copied model-wide tensors into every file: the first payload by id owns it.
+  """
   source, staging = inputs.source, inputs.staging
-  plan = fragment_plan(source.layer_count, common)
+  plan = plan or fragment_plan(source.layer_count, common)
   part_ids = sorted(plan)                                   # part index = position by id
   entries, locations = [], {}
   for part, artifact_id in enumerate(part_ids):
     written = writer.write_fragment(source, plan[artifact_id], staging)
     layout = gguf_header.check_header(staging / written["path"])
     for extent in layout.tensors:
-      locations[extent.name] = (part, extent.start, extent.n_bytes, layout.alignment)
+      locations.setdefault(extent.name, (part, extent.start, extent.n_bytes, layout.alignment))
     entries.append({"id": artifact_id, "path": written["path"],
                     "byte_size": written["artifact_bytes"], "sha256": written["sha256"]})
   entries.append(_write_carrier(inputs, locations, len(part_ids)))
