@@ -9,6 +9,8 @@ import json
 import pathlib
 import shutil
 import struct
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -23,6 +25,7 @@ from mtpjax.package import (carrier as carrier_lib, gguf_header, manifest as man
 from fixtures import FIXTURES
 
 FIXTURE = FIXTURES / "glm4moe-tiny/glm4moe_h64-Q8_0.gguf"
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODEL_ID = "zai-org/glm4moe-tiny:Q8_0"
 # (model, v2 layout): "split" keeps embeddings and output apart, "common" holds every non-layer
 # tensor in one artifact (upstream's newer writer)
@@ -142,6 +145,17 @@ class RoundTripTest(parameterized.TestCase):
           self.assertEqual(resolve(v1, strategy, env), resolve(v2, strategy, env),
                            (strategy, env))
       self.assertTrue(resolve(v2, None, {})[0])
+
+  def test_command_line_writes_v2(self):
+    out = self.tmp / "cli"
+    result = subprocess.run(
+        [sys.executable, "-m", "mtpjax.package.split", str(FIXTURE), str(out), "--model-id",
+         MODEL_ID, "--schema-version", "2"], capture_output=True, text=True, cwd=REPO_ROOT)
+    self.assertEqual(result.returncode, 0, result.stderr)
+    summary = json.loads(result.stdout)
+    root = json.loads((out / "model-package.json").read_text())
+    self.assertEqual((root["schema_version"], summary["package_id"]), (2, root["package_id"]))
+    self.assertEqual(_contents(out), _contents(self.packages["glm", "split"]))
 
   def test_root_alone_gives_identity_and_generation(self):
     """What a converted checkpoint keeps is the root JSON, without the package (and with its

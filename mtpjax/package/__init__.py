@@ -10,7 +10,7 @@ from mtpjax.package.integrity import is_hex_sha256, sha256_file
 from mtpjax.package.manifest import (FORMAT, MANIFEST_NAME, PACKAGE_ABI_VERSION, Artifact,
                                      ExtensionPolicy, Generation, HfReference, Manifest,
                                      Proposer, SourceFile, SourceModel, SpeculativeDecoding,
-                                     Strategy, WindowPolicy,
+                                     Strategy, TensorLocation, WindowPolicy,
                                      check_abi_version, load_manifest, manifest_issues,
                                      manifest_sha256, parse_abi_version, parse_hf_reference,
                                      parse_manifest, read_manifest, source_size_bytes)
@@ -18,3 +18,4 @@ from mtpjax.package.planning import StageRange, even_split, explicit_split, plan
 from mtpjax.package.reader import (ModelSource, TensorInfo, infer_activation_width, open_source,
                                    stage_selects, tensor_role)
 from mtpjax.package.writer import split_gguf
+from mtpjax.package.writer_v2 import split_gguf_v2
