@@ -97,7 +97,7 @@ class RoundTripTest(parameterized.TestCase):
     self.assertEqual(layout.file_bytes, layout.data_offset)
     self.assertEqual(preflight.preflight(package, check_sha=True)["issues"], [])
 
-  @parameterized.parameters(*MODELS)
+  @parameterized.parameters(*MODELS[:2])     # the demo's bytes are compared stage by stage
   def test_same_tensors_and_metadata_as_v1_and_the_source(self, model, layout):
     v1, v2 = _contents(self.packages[model, 1]), _contents(self.packages[model, layout])
     self.assertEqual(v1, v2)
@@ -110,9 +110,10 @@ class RoundTripTest(parameterized.TestCase):
   def test_same_stage_plans_and_streams(self, model, layout):
     with reader.open_source(self.packages[model, 1]) as v1, \
          reader.open_source(self.packages[model, layout]) as v2:
-      self.assertEqual(v1.layer_count, v2.layer_count)
-      self.assertEqual(v1.activation_width, v2.activation_width)
-      for stages in sorted({2, v1.layer_count}):
+      self.assertEqual((v1.layer_count, v1.activation_width, v1.metadata),
+                       (v2.layer_count, v2.activation_width, v2.metadata))
+      # two stages stream every tensor once (plus the MTP head's extra); one per layer too
+      for stages in sorted({2, v1.layer_count}) if model == "glm" else (2,):
         plan = planning.plan_stages(v1.layer_count, stages)
         self.assertEqual(plan, planning.plan_stages(v2.layer_count, stages))
         for stage in plan:
