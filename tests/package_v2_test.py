@@ -2,6 +2,7 @@
 model split as v1 and as v2 read the same (tensor bytes, metadata, stage plans, speculative
 resolution), and hostile v2 roots and carriers give typed errors naming the field."""
 
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -22,6 +23,7 @@ from mtpjax import embedded, errors, speculative
 import package_examples as examples
 from mtpjax.package import (carrier as carrier_lib, gguf_header, manifest as manifest_lib,
                             planning, preflight, reader, writer, writer_v2)
+from mtpjax.testing import package_mutations
 from fixtures import FIXTURES
 
 FIXTURE = FIXTURES / "glm4moe-tiny/glm4moe_h64-Q8_0.gguf"
@@ -355,6 +357,23 @@ class HostileTest(parameterized.TestCase):
   def test_root(self, mutate, code, message):
     _rewrite_root(self.copy, mutate)
     self._assert_rejected(code, message)
+
+  def test_every_root_field_with_a_hostile_value_gives_issues(self):
+    """Each JSON value of the root replaced by (or stripped of) each hostile value: validation
+    reports an error and never raises (a new creation time alone is no error)."""
+    raw = json.loads((self.package / "model-package.json").read_text())
+    self.assertEqual(manifest_lib.manifest_issues(raw), [])
+    for path in package_mutations._json_paths(raw):  # pylint: disable=protected-access
+      for value in package_mutations.HOSTILE_JSON:
+        for delete in (False, True):
+          mutated = package_mutations._set_path(  # pylint: disable=protected-access
+              copy.deepcopy(raw), path, value, delete)
+          provenance_only = (path == ("created_at_unix_secs",) and not delete
+                             and type(value) is int and value >= 0)  # outside the identity
+          if mutated != raw and not provenance_only:
+            found = manifest_lib.manifest_issues(mutated)
+            self.assertTrue(any(item["severity"] == "error" for item in found),
+                            (path, value, delete))
 
   def test_package_id_is_recomputed(self):
     _rewrite_root(self.copy, lambda root: root.update(model_id="someone/else:Q8_0"),

@@ -50,6 +50,11 @@ _STRATEGY_FIELDS = {
     "composite": {"type", "primary", "extender", "extension_policy", "window_policy"}}
 
 
+def _text(value: object) -> str | None:
+  """A JSON string, else None: hostile roots put lists and objects where ids and paths go."""
+  return value if isinstance(value, str) else None
+
+
 def _unknown(body: dict, allowed, where: str) -> list[dict]:
   return [issue("unknown_field", f"{where}: unknown field {key!r} (schema v2 rejects unknown "
                 "fields)", path=f"{where}.{key}") for key in body if key not in allowed]
@@ -102,7 +107,7 @@ def _catalog_issues(catalog: object, root: pathlib.Path | None) -> list[dict]:
     found.extend(_object_issues(entry, where, _ARTIFACT_FIELDS))
     if not isinstance(entry, dict):
       continue
-    artifact_id, path = entry.get("id"), entry.get("path")
+    artifact_id, path = _text(entry.get("id")), _text(entry.get("path"))
     if not isinstance(artifact_id, str) or not _IDENTIFIER.fullmatch(artifact_id):
       found.append(issue("invalid_identifier", f"{where}.id: identifier {artifact_id!r} contains "
                          "unsupported characters", path=f"{where}.id"))
@@ -111,7 +116,7 @@ def _catalog_issues(catalog: object, root: pathlib.Path | None) -> list[dict]:
                          "more than once", path=f"{where}.id"))
     ids.add(artifact_id)
     found.extend(_path_issue(path, f"{where}.path", root))
-    if isinstance(path, str) and path in paths:
+    if path is not None and path in paths:
       found.append(issue("duplicate_artifact_path", f"{where}.path: artifact path {path!r} "
                          "appears more than once", path=f"{where}.path"))
     paths.add(path)
@@ -123,8 +128,8 @@ def _catalog_issues(catalog: object, root: pathlib.Path | None) -> list[dict]:
 def _artifacts_by_id(raw: dict) -> dict[str, dict]:
   catalog = raw.get("artifact_catalog")
   entries = catalog.get("entries") if isinstance(catalog, dict) else None
-  return {entry["id"]: entry for entry in entries or () if isinstance(entry, dict)
-          and isinstance(entry.get("id"), str)}
+  return {entry["id"]: entry for entry in (entries if isinstance(entries, list) else ())
+          if isinstance(entry, dict) and isinstance(entry.get("id"), str)}
 
 
 def _source_issues(source: object, artifacts: dict[str, dict], sidecar_ids: set) -> list[dict]:
@@ -150,11 +155,16 @@ def _source_issues(source: object, artifacts: dict[str, dict], sidecar_ids: set)
     found.extend(_path_issue(entry.get("path"), f"{where}.path", None))
     found.extend(_count_issue(entry.get("byte_size"), f"{where}.byte_size", 0))
     found.extend(_digest_issue(entry.get("sha256"), f"{where}.sha256"))
-    if entry.get("path") in digests:
-      found.append(issue("invalid_path", f"{where}.path: source file path {entry.get('path')!r} "
-                         "appears more than once", path=f"{where}.path"))
-    digests[entry.get("path")] = entry.get("sha256")
+    path = _text(entry.get("path"))
+    if path in digests:
+      found.append(issue("invalid_path", f"{where}.path: source file path {path!r} appears more "
+                         "than once", path=f"{where}.path"))
+    digests[path] = entry.get("sha256")
   primary = source.get("primary_file")
+  if primary is not None and _text(primary) is None:
+    found.append(issue("invalid_field_type", "source_model.primary_file must be a string",
+                       path="source_model.primary_file"))
+    primary = None
   if primary is None:
     found.append(issue("missing_value", "source_model.primary_file: primary source file is "
                        "required", path="source_model.primary_file"))
@@ -164,7 +174,7 @@ def _source_issues(source: object, artifacts: dict[str, dict], sidecar_ids: set)
   elif digests[primary] != source.get("sha256"):
     found.append(issue("source_identity_mismatch", "source_model.sha256: source model digest does "
                        "not match the primary source file", path="source_model.sha256"))
-  carrier_id = source.get("metadata_artifact_id")
+  carrier_id = _text(source.get("metadata_artifact_id"))
   where = "source_model.metadata_artifact_id"
   if is_blank(carrier_id):
     found.append(issue("missing_value", f"{where} must not be empty", path=where))
@@ -195,12 +205,12 @@ def _sidecar_issues(sidecars: object, artifacts: dict[str, dict]) -> list[dict]:
     if entry.get("kind") != SIDECAR_KIND:
       found.append(issue("unsupported_projector_kind", f"{where}.kind: unsupported sidecar kind "
                          f"{entry.get('kind')!r} (only {SIDECAR_KIND!r})", path=f"{where}.kind"))
-    if entry.get("artifact_id") not in artifacts:
+    if _text(entry.get("artifact_id")) not in artifacts:
       found.append(issue("unknown_artifact", f"{where}.artifact_id: artifact "
                          f"{entry.get('artifact_id')!r} does not exist", path=f"{where}.artifact_id"))
     if "name" in entry and is_blank(entry["name"]):
       found.append(issue("missing_value", f"{where}.name must not be empty", path=f"{where}.name"))
-    identity = (entry.get("kind"), str(entry.get("name")))
+    identity = (str(entry.get("kind")), str(entry.get("name")))
     if identity in seen:
       found.append(issue("duplicate_sidecar", f"{where}: sidecar identity {identity} appears more "
                          "than once", path=where))
@@ -223,7 +233,7 @@ def _generation_strict_issues(generation: object) -> list[dict]:
       place = f"{where}.{group}.{name}"
       if not isinstance(body, dict):
         continue
-      kind = body.get("type")
+      kind = _text(body.get("type"))
       if kind not in allowed:
         found.append(issue("invalid_generation_value", f"{place}: unknown type {kind!r} (schema "
                            f"v2 allows {', '.join(allowed)})", path=f"{place}.type"))
@@ -348,7 +358,7 @@ def root_issues(raw: dict, package_root: pathlib.Path | None = None) -> list[dic
   found.extend(_catalog_issues(raw.get("artifact_catalog"), package_root))
   artifacts = _artifacts_by_id(raw)
   sidecars = raw.get("sidecars")
-  sidecar_ids = {entry.get("artifact_id") for entry in sidecars or ()
+  sidecar_ids = {_text(entry.get("artifact_id")) for entry in sidecars or ()
                  if isinstance(entry, dict)} if isinstance(sidecars, list) else set()
   found.extend(_source_issues(raw.get("source_model"), artifacts, sidecar_ids))
   found.extend(_sidecar_issues(sidecars, artifacts))
