@@ -42,7 +42,7 @@ def _pair_contract(x_pairs, weight, experts):
   """Each pair's row against its expert's `[out, in]` matrix: [P, out]."""
   type_name, fields = quantized.gather(weight, experts)
   if type_name is not None:
-    return quantized.fused_contract(x_pairs[:, None, :], type_name, fields)[:, 0]
+    return quantized.fused_contract(x_pairs, type_name, fields)
   return jnp.einsum("pi,poi->po", x_pairs, fields["w"].astype(x_pairs.dtype))
 
 

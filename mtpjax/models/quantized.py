@@ -156,7 +156,8 @@ def matmul(x: jax.Array, weight: QuantizedTensor) -> jax.Array:
 
 
 def fused_contract(x: jax.Array, type_name: str, fields: dict[str, jax.Array]) -> jax.Array:
-  """`x [..., in]` against quantized `[..., out, in]` fields without a dense weight: `[..., out]`.
+  """`x [..., in]` against quantized `[..., out, in]` fields without a dense weight: `[..., out]`
+(x's leading dims broadcast against the fields' leading dims, e.g. one row per gathered expert).
 
   The values are computed from the integers inside the reduction. XLA:CPU vectorizes a reduce
   over 32 contiguous elements well and a reduce over a whole row badly (~70x slower), so the sum
