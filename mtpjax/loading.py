@@ -236,7 +236,7 @@ def bytes_by_type(weights) -> dict[str, tuple[int, int | None]]:
   for graphdef, state in weights:
     model = nnx.merge(graphdef, state)
     quantized_fields = set()
-    for path, module in model.iter_modules():
+    for path, module in nnx.iter_modules(model):
       if isinstance(module, QuantizedTensor):
         entry = out.setdefault(module.type_name, [0, 0])
         entry[0] += module.device_bytes()

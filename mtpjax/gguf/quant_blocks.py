@@ -45,6 +45,8 @@ _DERIVED: dict[str, dict[str, tuple[tuple[int, ...], np.dtype]]] = {
 }
 
 DEVICE_TYPES = frozenset(_LAYOUTS)
+FIELD_NAMES = frozenset(f[0] for layout in _LAYOUTS.values() for f in layout) | frozenset(
+    name for derived in _DERIVED.values() for name in derived)
 
 
 def block_size(type_name: str) -> int:
