@@ -11,30 +11,17 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 from gguf import GGUFReader, quants
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.constants import GGMLQuantizationType
 
 from mtpjax.gguf import quant_blocks
 from mtpjax.models import quantized
+from mtpjax.testing.random_blocks import random_valid_blocks
 from fixtures import FIXTURES
 
 # numpy shapes with several leading dims, so gathers and block reshapes are exercised.
 _SHAPES = {"Q8_0": (3, 4, 64), "Q4_0": (5, 96), "Q4_1": (2, 3, 64), "Q5_0": (4, 64),
            "Q5_1": (3, 128), "Q2_K": (2, 3, 512), "Q3_K": (4, 256), "Q4_K": (3, 2, 256),
            "Q5_K": (3, 512), "Q6_K": (2, 2, 256)}
-
-
-def _random_valid_blocks(rng, type_name, shape):
-  """Random bytes whose f16 fields are finite f16s of any sign and magnitude (incl. 0, -0 and
-  subnormals)."""
-  block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
-  raw = rng.integers(0, 256, (*shape[:-1], shape[-1] // block, type_size), dtype=np.uint8)
-  for _, start, count, dtype in quant_blocks._LAYOUTS[type_name]:
-    if dtype == np.float16:
-      bits = rng.integers(0, 1 << 16, raw.shape[:-1], dtype=np.uint16)
-      bits = np.where((bits & 0x7C00) == 0x7C00, bits & 0x83FF, bits)    # no inf / nan
-      raw[..., start:start + count] = bits.astype(np.uint16).view(np.uint8).reshape(
-          *bits.shape, 2)
-  return raw.reshape(*shape[:-1], -1)
 
 
 _device_values = jax.jit(quantized.dequantize_fields, static_argnums=0)
@@ -46,7 +33,7 @@ class ExactnessTest(parameterized.TestCase):
   def test_random_blocks_bit_for_bit(self, type_name):
     rng = np.random.default_rng(sum(map(ord, type_name)))
     shape = _SHAPES[type_name]
-    raw = _random_valid_blocks(rng, type_name, shape)
+    raw = random_valid_blocks(rng, type_name, shape)
     want = quants.dequantize(raw, GGMLQuantizationType[type_name]).reshape(shape)
     got = np.asarray(_device_values(type_name, quant_blocks.unpack(type_name, raw, shape)))
     self.assertEqual(got.dtype, np.float32)
@@ -76,7 +63,7 @@ class ExactnessTest(parameterized.TestCase):
   def test_matmul_few_and_many_rows_use_the_exact_values(self):
     rng = np.random.default_rng(0)
     shape = (48, 512)
-    raw = _random_valid_blocks(rng, "Q4_K", shape)
+    raw = random_valid_blocks(rng, "Q4_K", shape)
     dense = quants.dequantize(raw, GGMLQuantizationType.Q4_K).reshape(shape)
     tensor = quantized.QuantizedTensor("Q4_K", shape)
     for name, array in quant_blocks.unpack("Q4_K", raw, shape).items():

@@ -23,7 +23,7 @@ U8, I8, F16 = np.dtype(np.uint8), np.dtype(np.int8), np.dtype(np.float16)
 
 # type name -> ((field, byte offset, byte count, dtype) in block order). Fields with a derived
 # layout (Q3_K/Q4_K/Q5_K scales) are listed with their derived shape in `_DERIVED`.
-_LAYOUTS: dict[str, tuple[tuple[str, int, int, np.dtype], ...]] = {
+LAYOUTS: dict[str, tuple[tuple[str, int, int, np.dtype], ...]] = {
     "Q8_0": (("d", 0, 2, F16), ("qs", 2, 32, I8)),
     "Q4_0": (("d", 0, 2, F16), ("qs", 2, 16, U8)),
     "Q4_1": (("d", 0, 2, F16), ("m", 2, 2, F16), ("qs", 4, 16, U8)),
@@ -44,8 +44,8 @@ _DERIVED: dict[str, dict[str, tuple[tuple[int, ...], np.dtype]]] = {
     "Q5_K": {"sc": ((8,), U8), "m": ((8,), U8)},
 }
 
-DEVICE_TYPES = frozenset(_LAYOUTS)
-FIELD_NAMES = frozenset(f[0] for layout in _LAYOUTS.values() for f in layout) | frozenset(
+DEVICE_TYPES = frozenset(LAYOUTS)
+FIELD_NAMES = frozenset(f[0] for layout in LAYOUTS.values() for f in layout) | frozenset(
     name for derived in _DERIVED.values() for name in derived)
 
 
@@ -63,7 +63,7 @@ def field_specs(type_name: str, shape: Sequence[int]) -> dict[str, tuple[tuple[i
   """{field: (shape, dtype)} of a tensor of numpy `shape` kept as `type_name` blocks."""
   lead, n_blocks = tuple(shape[:-1]), int(shape[-1]) // block_size(type_name)
   out = {}
-  for name, _, count, dtype in _LAYOUTS[type_name]:
+  for name, _, count, dtype in LAYOUTS[type_name]:
     per_block = () if dtype == F16 and count == 2 else (count // dtype.itemsize,)
     out[name] = (lead + (n_blocks,) + per_block, dtype)
   for name, (per_block, dtype) in _DERIVED.get(type_name, {}).items():
@@ -86,7 +86,7 @@ def unpack(type_name: str, raw: np.ndarray, shape: Sequence[int]) -> dict[str, n
   specs = field_specs(type_name, shape)
   blocks = np.ascontiguousarray(raw).reshape(-1).view(U8).reshape(-1, type_size)
   out = {}
-  for name, start, count, dtype in _LAYOUTS[type_name]:
+  for name, start, count, dtype in LAYOUTS[type_name]:
     out[name] = np.ascontiguousarray(blocks[:, start:start + count]).view(dtype)
   if type_name == "Q3_K":
     out["scales"] = _q3_k_scales(blocks[:, 96:108])
