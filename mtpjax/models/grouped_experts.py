@@ -3,9 +3,10 @@
 Pairs are sorted by expert, so each selected expert's weights are read once per call however
 many rows chose it, and arithmetic is proportional to rows x top-k, not rows x experts.
 
-- Few rows (decode, verify, small batches): every pair contracts against its expert's weights
-  gathered by id from the store (dense, or quantized integers via `quantized.fused_contract`),
-  pairs of one expert adjacent so a repeated expert is re-read from cache, not memory.
+- Few rows (decode, verify, small batches): a loop over the pairs, each contracting its row
+  against its expert's weights read by id from the store (dense, or quantized integers via
+  `quantized.fused_contract`), pairs of one expert adjacent so a repeated expert is re-read from
+  cache, not memory.
 - Many rows (prefill): a loop over experts dequantizes each selected expert once and runs its
   rows through dense GEMMs in tiles (a grouped matmul). `jax.lax.ragged_dot` is the same
   operation, but XLA:CPU lowers it to a dense product over every group (measured ~85x one
@@ -38,19 +39,27 @@ def _unsort(sorted_out: jax.Array, order: jax.Array, n: int, k: int) -> jax.Arra
   return jnp.zeros_like(sorted_out).at[order].set(sorted_out).reshape(n, k, -1)
 
 
-def _pair_contract(x_pairs, weight, experts):
-  """Each pair's row against its expert's `[out, in]` matrix: [P, out]."""
-  type_name, fields = quantized.gather(weight, experts)
+def _one_pair(x_row, weight, e):
+  """One row against expert `e`'s `[out, in]` matrix, read from the store by id: [out]."""
+  type_name, fields = quantized.gather(weight, e)
   if type_name is not None:
-    return quantized.fused_contract(x_pairs, type_name, fields)
-  return jnp.einsum("pi,poi->po", x_pairs, fields["w"].astype(x_pairs.dtype))
+    return quantized.fused_contract(x_row, type_name, fields)
+  return fields["w"].astype(x_row.dtype) @ x_row
 
 
 def pairwise(x, expert_ids, gate, up, down):
+  """A loop over the pairs sorted by expert: each iteration reads one expert by id (a repeat of
+  the previous pair's expert is still in cache) and contracts one row against its integers,
+  so no per-pair weight copies or broadcast rows are materialized."""
   order, experts, rows = _sorted_pairs(expert_ids)
-  xp = x[rows]
-  act = jax.nn.silu(_pair_contract(xp, gate, experts)) * _pair_contract(xp, up, experts)
-  return _unsort(_pair_contract(act, down, experts), order, *expert_ids.shape)
+
+  def one(pair):
+    e, row = pair
+    xr = x[row]
+    act = jax.nn.silu(_one_pair(xr, gate, e)) * _one_pair(xr, up, e)
+    return _one_pair(act, down, e)
+
+  return _unsort(jax.lax.map(one, (experts, rows)), order, *expert_ids.shape)
 
 
 def _expert_matrix(weight, e, dtype):
