@@ -54,6 +54,18 @@ class ExactnessTest(parameterized.TestCase):
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=name)
     self.assertEqual(seen, {"Q8_0", "Q5_0", "Q5_1"})
 
+  @parameterized.parameters(*sorted(_SHAPES))
+  def test_fused_contraction_reads_the_exact_values(self, type_name):
+    # Unit rows pick single weights out of the fused reduction: x = e_i gives column i exactly.
+    rng = np.random.default_rng(1 + sum(map(ord, type_name)))
+    shape = (3,) + _SHAPES[type_name][-1:]
+    raw = random_valid_blocks(rng, type_name, shape)
+    want = quants.dequantize(raw, GGMLQuantizationType[type_name]).reshape(shape)
+    fields = {n: jnp.asarray(a) for n, a in quant_blocks.unpack(type_name, raw, shape).items()}
+    eye = jnp.eye(shape[-1], dtype=jnp.float32)
+    got = jax.jit(quantized.fused_contract, static_argnums=1)(eye, type_name, fields)
+    np.testing.assert_array_equal(np.asarray(got).T, want)
+
   def test_device_bytes_near_file_bytes(self):
     for type_name, shape in _SHAPES.items():
       tensor = quantized.QuantizedTensor(type_name, shape)
@@ -68,7 +80,7 @@ class ExactnessTest(parameterized.TestCase):
     tensor = quantized.QuantizedTensor("Q4_K", shape)
     for name, array in quant_blocks.unpack("Q4_K", raw, shape).items():
       getattr(tensor, name)[...] = jnp.asarray(array)
-    for rows in (2, quantized.FUSED_ROWS + 4):
+    for rows in (1, quantized.fused_rows() + 4):
       x = rng.standard_normal((rows, shape[1])).astype(np.float32) * 1e-3
       got = np.asarray(jax.jit(quantized.matmul)(jnp.asarray(x), tensor))
       want = x.astype(np.float64) @ dense.T.astype(np.float64)
