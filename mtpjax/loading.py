@@ -83,15 +83,13 @@ def weight_formats(types: Mapping[str, str], cfg: ModelConfig, layout: StageLayo
     if type_name in _FLOAT_TYPES:
       continue
     for target in registry.tensor_targets(name, cfg, layout):
-      shape = _quantizable(leaves.get(target.path))
-      if shape is None or target.kv_b is not None:
+      if _quantizable(leaves.get(target.path)) is None or target.kv_b is not None:
         continue
       if type_name not in quant_blocks.DEVICE_TYPES:
         logging.info("tensor %s: ggml type %s has no device block form; kept dense", name,
                      type_name)
         continue
-      if shape[-1] % quant_blocks.block_size(type_name) == 0:
-        formats[target.path] = type_name
+      formats[target.path] = type_name
   return formats
 
 

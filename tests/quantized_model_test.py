@@ -14,8 +14,9 @@ from absl.testing import absltest, parameterized
 from flax import nnx
 
 import mtpjax
-from mtpjax import checkpoint, errors, sharding
+from mtpjax import checkpoint, errors, loading, sharding
 from mtpjax.convert import convert
+from mtpjax.models.interface import StageLayout
 from mtpjax.models.quantized import QuantizedTensor
 from fixtures import FIXTURES
 
@@ -62,6 +63,21 @@ class QuantizedFixtureTest(parameterized.TestCase):
                           adaptive_drafting=False, **sampling)
       self.assertEqual(on.tokens, off.tokens, sampling)
       self.assertGreater(on.stats.drafted, 0)
+
+  def test_types_without_a_device_form_fall_back_to_dense_with_a_log_line(self):
+    model = mtpjax.load(FIXTURE / "glm4moe_h64-Q8_0.gguf", weights="dense")
+    layout = StageLayout.whole(model.config, mtp=False)
+    types = {"blk.0.attn_q.weight": "IQ4_NL", "blk.0.attn_k.weight": "Q4_K",
+             "blk.0.attn_norm.weight": "F32", "blk.1.ffn_up_exps.weight": "Q6_K",
+             "token_embd.weight": "TQ2_0"}
+    with self.assertLogs(level="INFO") as logs:
+      formats = loading.weight_formats(types, model.config, layout, "quantized")
+    self.assertEqual(formats, {("layers", 0, "attn", "wk", "weight"): "Q4_K",
+                               ("layers", 1, "ffn", "experts", "up_exps"): "Q6_K"})
+    fallbacks = [line for line in logs.output if "kept dense" in line]
+    self.assertLen(fallbacks, 2)
+    self.assertIn("blk.0.attn_q.weight", fallbacks[0] + fallbacks[1])
+    self.assertEqual(loading.weight_formats(types, model.config, layout, "dense"), {})
 
   def test_bad_weights_value_is_a_typed_error(self):
     with self.assertRaisesRegex(errors.ConversionError, "weights"):
