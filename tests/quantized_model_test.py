@@ -1,7 +1,8 @@
 """Models loaded with weights="quantized": the llama.cpp fixtures, MTP, checkpoints, sharding.
 
 References: llama.cpp's logits on the same GGUF bytes (argmax), the same file loaded from its
-GGUF and from its checkpoint, the GGUF's own tensor byte counts (read with the real `gguf` library) and MTP off.
+GGUF and from its checkpoint, the GGUF's own tensor byte counts (read with the real `gguf`
+library) and MTP off.
 """
 
 import pathlib

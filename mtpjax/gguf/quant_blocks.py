@@ -59,7 +59,8 @@ def gguf_nbytes(type_name: str, shape: Sequence[int]) -> int:
   return math.prod(int(d) for d in shape) // block * type_size
 
 
-def field_specs(type_name: str, shape: Sequence[int]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+def field_specs(type_name: str,
+                shape: Sequence[int]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
   """{field: (shape, dtype)} of a tensor of numpy `shape` kept as `type_name` blocks."""
   lead, n_blocks = tuple(shape[:-1]), int(shape[-1]) // block_size(type_name)
   out = {}
