@@ -46,7 +46,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   config.model.source = config_dict.placeholder(str)
   config.model.name = MODEL_NAME
   config.model.arch = "glm4moe"
-  config.model.dtype = "float32"
+  config.model.dtype = "float32"     # activations (and dense weights)
+  # "quantized": GGUF-quantized tensors stay integers + scales on the device; "dense":
+  # dequantized to `dtype` at load.
+  config.model.weights = "quantized"
 
   config.mesh = ml_collections.ConfigDict()
   config.mesh.stages = 1

@@ -52,16 +52,20 @@ class CheckpointSource:
   metadata: dict
   tensors: dict
   layer_count: int
+  tensor_types: dict
+  weights: str
 
 
 class Model:
   """A loaded model on one stage: full-sequence forwards for checks, `generate` for decoding."""
 
   def __init__(self, source, cfg: ModelConfig, *, dtype: str, resolution,
-               config=None, mesh=None, checkpoint_dir: pathlib.Path | None = None):
+               config=None, mesh=None, checkpoint_dir: pathlib.Path | None = None,
+               weights: str = "quantized"):
     self.source = source
     self.config = cfg
     self.dtype = dtype
+    self.weight_mode = weights      # "quantized" | "dense" (loading.WEIGHTS)
     self.resolution = resolution
     self.mesh = mesh if mesh is not None else sharding.make_mesh(stages=1, tensor=1)
     self._checkpoint_dir = checkpoint_dir
@@ -136,12 +140,20 @@ class Model:
   def _load_layout(self, layout: StageLayout, sharding_fn) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, state) of one layout, from the checkpoint parts or streamed from the source."""
     if self._checkpoint_dir is not None:
-      graphdef, abstract = loading.abstract_model(self.config, layout, self.dtype)
+      formats = loading.weight_formats(self.source.tensor_types, self.config, layout,
+                                       self.weight_mode)
+      graphdef, abstract = loading.abstract_model(self.config, layout, self.dtype, formats)
       leaves = checkpoint.restore_leaves(self._checkpoint_dir, layout,
                                          loading.flat_paths(abstract), sharding_fn)
       return loading.assemble(graphdef, abstract, leaves)
     return loading.load_state(self.source, self.config, layout, dtype=self.dtype,
-                              sharding_fn=sharding_fn)
+                              weights=self.weight_mode, sharding_fn=sharding_fn)
+
+  def weight_bytes_by_type(self) -> dict[str, tuple[int, int | None]]:
+    """{ggml type name: (device bytes, GGUF bytes)} of the quantized parameters loaded, plus
+    {dense dtype name: (device bytes, None)} of the dense ones (see `loading.bytes_by_type`)."""
+    return loading.bytes_by_type([entry for entry in self.stage_weights(
+        with_mtp=next(iter(self._weights))) if entry is not None])
 
   # --- full-sequence forwards ---------------------------------------------------------------
 
@@ -278,10 +290,10 @@ class PipelinedModel(Model):
   processes own."""
 
   def __init__(self, source, cfg, *, dtype: str, resolution, plan: PipelinePlan, config=None,
-               checkpoint_dir=None):
+               checkpoint_dir=None, weights: str = "quantized"):
     self.plan = plan
     super().__init__(source, cfg, dtype=dtype, resolution=resolution, config=config,
-                     mesh=plan.meshes[0], checkpoint_dir=checkpoint_dir)
+                     mesh=plan.meshes[0], checkpoint_dir=checkpoint_dir, weights=weights)
 
   @functools.cached_property
   def hops(self):
@@ -301,22 +313,40 @@ class PipelinedModel(Model):
     return self.weights(with_mtp=with_mtp)
 
 
-def _open(source_path):
-  """(source, cfg, checkpoint dir or None) for a package, GGUF or converted checkpoint."""
+def _open(source_path, weights: str | None):
+  """(source, cfg, checkpoint dir or None, weights) for a package, GGUF or converted checkpoint.
+
+  `weights` None: a checkpoint's own form, else "quantized"; a checkpoint restores only the
+  form it was converted to.
+  """
   path = pathlib.Path(source_path)
   if checkpoint.is_checkpoint(path):
     record = checkpoint.read_record(path)
     src = record["source"]
+    if weights is not None and weights != record["weights"]:
+      raise errors.CheckpointError(
+          f"the checkpoint holds {record['weights']} weights, not {weights}",
+          path=str(path), field="weights",
+          remedy=f"load it with weights={record['weights']!r}, or convert the source again "
+                 f"with python -m mtpjax.convert --weights={weights}")
     manifest = (parse_manifest(src["manifest"], path=src["path"])
                 if src["manifest"] is not None else None)
     source = CheckpointSource(
         kind=src["kind"], path=path, manifest=manifest, manifest_sha256=src["manifest_sha256"],
         metadata=record["metadata"], tensors={n: None for n in src["tensor_names"]},
-        layer_count=src["layer_count"])
-    return source, ModelConfig.from_dict(record["model_config"]), path
+        layer_count=src["layer_count"], tensor_types=src["tensor_types"],
+        weights=record["weights"])
+    return source, ModelConfig.from_dict(record["model_config"]), path, record["weights"]
   source = open_source(path)
-  return source, registry.config_from_gguf(source.metadata, source.tensors,
-                                           source=str(path)), None
+  return (source, registry.config_from_gguf(source.metadata, source.tensors, source=str(path)),
+          None, weights or "quantized")
+
+
+def _weights_setting(weights: str | None, config) -> str | None:
+  """The explicit argument wins over `config.model.weights`; validated before any I/O."""
+  if weights is None and config is not None:
+    weights = config.model.get("weights")
+  return None if weights is None else loading.resolve_weights(weights)
 
 
 def _mesh_settings(config, stages: int, splits) -> tuple[int, Sequence[int] | None, int]:
@@ -329,36 +359,46 @@ def _mesh_settings(config, stages: int, splits) -> tuple[int, Sequence[int] | No
   return stages, splits, int(mesh.tensor)
 
 
-def load_pipelined(source, *, dtype: str, stages: int, splits=None, config=None) -> Model:
+def load_pipelined(source, *, dtype: str, stages: int, splits=None, config=None,
+                   weights: str | None = None) -> Model:
   """Check the mesh and the stage plan (typed errors before any weight is read), then load
   only the stages this process owns."""
+  weights = _weights_setting(weights, config)
   stages, splits, tensor = _mesh_settings(config, stages, splits)
   if splits is not None and not isinstance(splits, (list, tuple)):
     raise errors.MeshConfigError(f"splits must be a sequence of layer boundaries, got {splits!r}",
                                  field="mesh.splits", remedy="pass e.g. splits=(15, 31)")
   pipeline_mesh(stages, tensor)
-  src, cfg, checkpoint_dir = _open(source)
+  src, cfg, checkpoint_dir, weights = _open(source, weights)
   plan = plan_pipeline(src.layer_count, stages, splits, tensor=tensor)
   resolution = speculative.resolve_for_source(config or {}, _model_name(config), src)
   return PipelinedModel(src, cfg, dtype=dtype, resolution=resolution, plan=plan, config=config,
-                        checkpoint_dir=checkpoint_dir)
+                        checkpoint_dir=checkpoint_dir, weights=weights)
 
 
 def _model_name(config) -> str:
   return config.model.name if config is not None else DEFAULT_MODEL_NAME
 
 
-def load(source, *, dtype: str = "float32", stages: int = 1, splits=None, config=None,
-         mesh=None) -> Model:
-  """Open `source`, resolve the speculative strategy and load the weights."""
+def load(source, *, dtype: str = "float32", weights: str | None = None, stages: int = 1,
+         splits=None, config=None, mesh=None) -> Model:
+  """Open `source`, resolve the speculative strategy and load the weights.
+
+  `dtype` is the activation dtype (and that of dense weights). `weights`: "quantized" (the
+  default; GGUF-quantized tensors stay integers + scales on the device, computing with values
+  equal to gguf-py's dequantization) or "dense" (dequantized to `dtype` at load); None takes
+  `config.model.weights`, or a checkpoint's own form.
+  """
   loading.resolve_dtype(dtype)
+  weights = _weights_setting(weights, config)
   mesh_cfg = config.mesh if config is not None else None
   if (stages != 1 or splits is not None
       or (mesh_cfg is not None and (mesh_cfg.stages != 1 or mesh_cfg.splits is not None))):
-    return load_pipelined(source, dtype=dtype, stages=stages, splits=splits, config=config)
+    return load_pipelined(source, dtype=dtype, stages=stages, splits=splits, config=config,
+                          weights=weights)
   if mesh is None and mesh_cfg is not None and mesh_cfg.tensor != 1:
     mesh = sharding.make_mesh(stages=1, tensor=mesh_cfg.tensor)   # fails before any I/O
-  src, cfg, checkpoint_dir = _open(source)
+  src, cfg, checkpoint_dir, weights = _open(source, weights)
   resolution = speculative.resolve_for_source(config or {}, _model_name(config), src)
   return Model(src, cfg, dtype=dtype, resolution=resolution, config=config, mesh=mesh,
-               checkpoint_dir=checkpoint_dir)
+               checkpoint_dir=checkpoint_dir, weights=weights)

@@ -7,6 +7,8 @@ Layout of a checkpoint directory:
   parts/layer-000/ ...     one per trunk layer
   parts/output/            output_norm (+ head)
   parts/mtp/               the NextN block, when the source has one
+With `weights` "quantized" (the default), a GGUF-quantized tensor is saved as its block fields,
+so the checkpoint's bytes are about the GGUF's tensor bytes.
 Parts mirror the package's artifacts, so a pipeline stage restores only the parts it owns,
 each array straight onto its target sharding.
 """
@@ -29,7 +31,9 @@ RECORD_NAME = "mtpjax-checkpoint.json"
 # checkpoint holds them [out, in], which square matrices would restore silently transposed.
 # 3: projections and experts are modules, so their parameters sit one level deeper
 # (`attn/wq/weight`, `ffn/experts/up_exps`).
-FORMAT_VERSION = 3
+# 4: weights may be quantized (the record's `weights`): a quantized parameter is its block
+# fields (`attn/wq/weight/qs`, `.../d`), typed by the record's `source.tensor_types`.
+FORMAT_VERSION = 4
 
 
 def is_checkpoint(path) -> bool:
@@ -83,8 +87,10 @@ def read_record(directory) -> dict[str, Any]:
                                  remedy="re-run python -m mtpjax.convert") from exc
   if record.get("format_version") != FORMAT_VERSION:
     raise errors.CheckpointError(
-        f"checkpoint format {record.get('format_version')} is not {FORMAT_VERSION}",
-        path=str(path), field="format_version", remedy="re-run python -m mtpjax.convert")
+        f"checkpoint format {record.get('format_version')} is not {FORMAT_VERSION} (this "
+        f"mtpjax reads version {FORMAT_VERSION} only)", path=str(path), field="format_version",
+        remedy="convert the source again: python -m mtpjax.convert SRC OUT_DIR "
+               "[--weights=quantized|dense]")
   return record
 
 

@@ -1,6 +1,10 @@
-"""GGUF / split GGUF / layer package -> orbax checkpoint of dequantized params.
+"""GGUF / split GGUF / layer package -> orbax checkpoint of the model's parameters.
 
-`python -m mtpjax.convert SRC OUT_DIR [--dtype bfloat16|float32] [--stages N] [--overwrite]`
+`python -m mtpjax.convert SRC OUT_DIR [--weights quantized|dense] [--dtype bfloat16|float32]
+[--stages N] [--overwrite]`
+
+`--weights=quantized` (the default) keeps GGUF-quantized tensors as their integer and scale
+fields (`loading.py`), `dense` dequantizes them to `--dtype`.
 
 The conversion streams part by part (one trunk layer, the embeddings, the output head, the
 NextN block): each part is dequantized, saved and dropped before the next is read, so peak host
@@ -27,8 +31,8 @@ from mtpjax.package import planning
 from mtpjax.package.reader import open_source
 
 
-def convert(src, out_dir, *, dtype: str = "float32", stages: int = 1, overwrite: bool = False,
-            show_progress: bool = True) -> pathlib.Path:
+def convert(src, out_dir, *, dtype: str = "float32", weights: str = "quantized", stages: int = 1,
+            overwrite: bool = False, show_progress: bool = True) -> pathlib.Path:
   out_dir = pathlib.Path(out_dir)
   staging.remove_stale(out_dir)
   if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
@@ -36,6 +40,7 @@ def convert(src, out_dir, *, dtype: str = "float32", stages: int = 1, overwrite:
         "the output directory is not empty", path=str(out_dir),
         remedy="choose an empty directory or pass --overwrite")
   loading.resolve_dtype(dtype)
+  loading.resolve_weights(weights)
   with open_source(src, verify="sha256") as source:
     cfg = config_from_gguf(source.metadata, source.tensors, source=str(source.path))
     plan = planning.plan_stages(source.layer_count, stages)
@@ -47,8 +52,8 @@ def convert(src, out_dir, *, dtype: str = "float32", stages: int = 1, overwrite:
         for name, layout in checkpoint.part_layouts(cfg).items():
           keep = lambda path, name=name, layout=layout: (
               checkpoint.part_of(path, layout)[0] == name)
-          _, _, leaves = loading.load_leaves(source, cfg, layout, dtype=dtype, keep=keep,
-                                             progress=bar.update)
+          _, _, leaves = loading.load_leaves(source, cfg, layout, dtype=dtype, weights=weights,
+                                             keep=keep, progress=bar.update)
           checkpoint.save_part(tmp, name, {checkpoint.part_of(p, layout)[1]: a
                                            for p, a in leaves.items()})
           del leaves
@@ -56,6 +61,7 @@ def convert(src, out_dir, *, dtype: str = "float32", stages: int = 1, overwrite:
           "format_version": checkpoint.FORMAT_VERSION,
           "mtpjax_version": mtpjax.__version__,
           "dtype": dtype,
+          "weights": weights,
           "model_config": cfg.to_dict(),
           "metadata": source.metadata,
           "source": {
@@ -64,6 +70,7 @@ def convert(src, out_dir, *, dtype: str = "float32", stages: int = 1, overwrite:
               "manifest_sha256": source.manifest_sha256,
               "layer_count": source.layer_count,
               "tensor_names": sorted(source.tensors),
+              "tensor_types": loading.tensor_types(source),
           },
           "stage_plan": [[s.layer_start, s.layer_end] for s in plan],
           "parts": sorted(checkpoint.part_layouts(cfg)),
@@ -75,17 +82,21 @@ def convert(src, out_dir, *, dtype: str = "float32", stages: int = 1, overwrite:
   return out_dir
 
 
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "parameter dtype")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                           "activation dtype, and that of dense parameters")
+_WEIGHTS = flags.DEFINE_enum("weights", "quantized", list(loading.WEIGHTS),
+                             "quantized: keep GGUF quantization on the device; dense: dequantize")
 _STAGES = flags.DEFINE_integer("stages", 1, "pipeline stages recorded in the stage plan")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "replace a non-empty OUT_DIR")
 
 
 def main(argv):
   if len(argv) != 3:
-    raise app.UsageError("usage: python -m mtpjax.convert SRC OUT_DIR [--dtype ...] [--stages N]")
+    raise app.UsageError("usage: python -m mtpjax.convert SRC OUT_DIR [--weights ...] "
+                         "[--dtype ...] [--stages N]")
   try:
-    out = convert(argv[1], argv[2], dtype=_DTYPE.value, stages=_STAGES.value,
-                  overwrite=_OVERWRITE.value)
+    out = convert(argv[1], argv[2], dtype=_DTYPE.value, weights=_WEIGHTS.value,
+                  stages=_STAGES.value, overwrite=_OVERWRITE.value)
   except errors.MtpjaxError as exc:
     print(f"error: {exc}", file=sys.stderr)
     return 1

@@ -1,27 +1,39 @@
 """Stream GGUF tensors of one stage into model parameters, placed on their devices.
 
-The reader yields one artifact at a time and each tensor is dequantized, cast and put on its
-target sharding before the next is read, so peak host memory is about one tensor plus what is
-already on the devices, never the whole model twice.
+The reader yields one artifact at a time and each tensor is dequantized (or, kept quantized,
+split into its block fields), cast and put on its target sharding before the next is read, so
+peak host memory is about one tensor plus what is already on the devices, never the whole model
+twice.
+
+Weights (`WEIGHTS`): "quantized" keeps every projection, expert stack and embedding table whose
+GGUF type has a device block form (`gguf/quant_blocks.py`) as a `quantized.QuantizedTensor`;
+other types (IQ*, TQ*) fall back to dense with one log line per tensor, and float tensors stay
+dense. "dense" dequantizes everything at load, as before.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
+from gguf.constants import GGMLQuantizationType
 
 from mtpjax import errors
-from mtpjax.gguf.tensors import dequantize
+from mtpjax.gguf import quant_blocks
+from mtpjax.gguf.tensors import dequantize, numpy_shape
 from mtpjax.models import registry
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.interface import StageLayout
-from mtpjax.models.primitives import LinearWeight
+from mtpjax.models.primitives import GgufWeight, LinearWeight
+from mtpjax.models.quantized import QuantizedTensor
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+WEIGHTS = ("quantized", "dense")
+_FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 ShardingFn = Callable[[tuple, tuple], jax.sharding.Sharding | None]
 
@@ -36,9 +48,66 @@ def resolve_dtype(dtype) -> jnp.dtype:
   return jnp.dtype(dtype)
 
 
-def abstract_model(cfg: ModelConfig, layout: StageLayout, dtype) -> tuple[nnx.GraphDef, nnx.State]:
-  """The model's structure and parameter shapes, without allocating any parameter."""
+def resolve_weights(weights: str) -> str:
+  if weights not in WEIGHTS:
+    raise errors.ConversionError(
+        f"unsupported weights {weights!r}", field="weights",
+        remedy=f"choose one of {', '.join(WEIGHTS)}")
+  return weights
+
+
+def tensor_types(source) -> dict[str, str]:
+  """GGUF tensor name -> ggml type name of a GGUF / package source."""
+  return {name: GGMLQuantizationType(int(info.ggml_type)).name
+          for name, info in source.tensors.items()}
+
+
+def _quantizable(leaf) -> tuple[int, ...] | None:
+  """The GGUF-layout shape of a leaf the loader may keep quantized, else None."""
+  if isinstance(leaf, LinearWeight):
+    return tuple(reversed(leaf.shape))
+  if isinstance(leaf, GgufWeight):
+    return tuple(leaf.shape)
+  return None
+
+
+def weight_formats(types: Mapping[str, str], cfg: ModelConfig, layout: StageLayout,
+                   weights: str) -> dict[tuple, str]:
+  """{parameter path: ggml type} of the parameters a stage keeps quantized."""
+  if resolve_weights(weights) == "dense":
+    return {}
+  model = nnx.eval_shape(lambda: registry.build(cfg, layout, jnp.float32))
+  leaves = {tuple(p): leaf for p, leaf in nnx.to_flat_state(nnx.state(model))}
+  formats = {}
+  for name, type_name in types.items():
+    if type_name in _FLOAT_TYPES:
+      continue
+    for target in registry.tensor_targets(name, cfg, layout):
+      if _quantizable(leaves.get(target.path)) is None or target.kv_b is not None:
+        continue
+      if type_name not in quant_blocks.DEVICE_TYPES:
+        logging.info("tensor %s: ggml type %s has no device block form; kept dense", name,
+                     type_name)
+        continue
+      formats[target.path] = type_name
+  return formats
+
+
+def _module_at(model, path: tuple):
+  for key in path:
+    model = model[key] if isinstance(key, int) else getattr(model, key)
+  return model
+
+
+def abstract_model(cfg: ModelConfig, layout: StageLayout, dtype,
+                   formats: Mapping[tuple, str] | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+  """The model's structure and parameter shapes, without allocating any parameter; the
+  parameters in `formats` are `QuantizedTensor`s of that ggml type."""
   model = nnx.eval_shape(lambda: registry.build(cfg, layout, resolve_dtype(dtype)))
+  for path, type_name in (formats or {}).items():
+    parent = _module_at(model, path[:-1])
+    shape = _quantizable(getattr(parent, path[-1]))
+    setattr(parent, path[-1], nnx.eval_shape(lambda: QuantizedTensor(type_name, shape)))
   return nnx.split(model)
 
 
@@ -87,15 +156,30 @@ def _describe(path: tuple, cfg: ModelConfig, layout: StageLayout) -> str:
   return "/".join(map(str, path))
 
 
+def _place(part: np.ndarray, path: tuple, info, want, sharding_fn: ShardingFn | None):
+  if want is None or tuple(part.shape) != tuple(want.shape):
+    raise errors.ConversionError(
+        f"tensor {info.name} has shape {tuple(part.shape)} but the model expects "
+        f"{None if want is None else tuple(want.shape)} at {'/'.join(map(str, path))}",
+        path=info.path, field=info.name,
+        remedy="check that the GGUF metadata matches its tensors (re-convert the model)")
+  part = np.asarray(part, dtype=want.dtype)
+  sharding = sharding_fn(path, part.shape) if sharding_fn else None
+  return jax.device_put(part, sharding) if sharding is not None else jnp.asarray(part)
+
+
 def load_leaves(source, cfg: ModelConfig, layout: StageLayout, *, dtype="float32",
-                sharding_fn: ShardingFn | None = None, keep: Callable[[tuple], bool] | None = None,
+                weights: str = "quantized", sharding_fn: ShardingFn | None = None,
+                keep: Callable[[tuple], bool] | None = None,
                 progress: Callable[[int], None] | None = None):
-  """Read, dequantize and place the parameters of a stage (those `keep` accepts).
+  """Read, dequantize (or split into block fields) and place the parameters of a stage (those
+  `keep` accepts).
 
   Returns (graphdef, abstract state, {path: array}); tensors the stage does not use are never
-  dequantized.
+  read further than their bytes.
   """
-  graphdef, abstract = abstract_model(cfg, layout, dtype)
+  formats = weight_formats(tensor_types(source), cfg, layout, weights)
+  graphdef, abstract = abstract_model(cfg, layout, dtype, formats)
   expected = {p: s for p, s in flat_paths(abstract).items() if keep is None or keep(p)}
   transposed = linear_weight_paths(abstract)
   filled: dict[tuple, jax.Array] = {}
@@ -114,24 +198,24 @@ def load_leaves(source, cfg: ModelConfig, layout: StageLayout, *, dtype="float32
                if keep is None or keep(t.path)]
     if not targets:
       continue
-    leaf_dtype = np.dtype(expected[targets[0].path].dtype)
-    deq_dtype = "bfloat16" if leaf_dtype == jnp.bfloat16 else "float32"
-    array = dequantize(info.name, info.ggml_type, info.ne, raw, dtype=deq_dtype)
-    for target in targets:
+    dense = [t for t in targets if t.path not in formats]
+    if dense:
+      leaf_dtype = np.dtype(expected[dense[0].path].dtype)
+      deq_dtype = "bfloat16" if leaf_dtype == jnp.bfloat16 else "float32"
+      array = dequantize(info.name, info.ggml_type, info.ne, raw, dtype=deq_dtype)
+    for target in dense:
       part = target.take(array)
       if target.path in transposed:
         part = part.T
-      want = expected.get(target.path)
-      if want is None or tuple(part.shape) != tuple(want.shape):
-        raise errors.ConversionError(
-            f"tensor {info.name} has shape {tuple(part.shape)} but the model expects "
-            f"{None if want is None else tuple(want.shape)} at {'/'.join(map(str, target.path))}",
-            path=info.path, field=info.name,
-            remedy="check that the GGUF metadata matches its tensors (re-convert the model)")
-      part = np.asarray(part, dtype=want.dtype)
-      sharding = sharding_fn(target.path, part.shape) if sharding_fn else None
-      filled[target.path] = (jax.device_put(part, sharding) if sharding is not None
-                             else jnp.asarray(part))
+      filled[target.path] = _place(part, target.path, info, expected.get(target.path),
+                                   sharding_fn)
+    quantized_targets = [t for t in targets if t.path in formats]
+    if quantized_targets:
+      fields = quant_blocks.unpack(formats[quantized_targets[0].path], raw, numpy_shape(info.ne))
+    for target in quantized_targets:
+      for field, array in fields.items():
+        path = target.path + (field,)
+        filled[path] = _place(target.take(array), path, info, expected.get(path), sharding_fn)
     if progress is not None:
       progress(info.n_bytes)
   missing = sorted(_describe(p, cfg, layout) for p in expected if p not in filled)
@@ -143,6 +227,26 @@ def load_leaves(source, cfg: ModelConfig, layout: StageLayout, *, dtype="float32
   return graphdef, abstract, filled
 
 
+def bytes_by_type(weights) -> dict[str, tuple[int, int | None]]:
+  """{ggml type: (device bytes, GGUF bytes)} over the `QuantizedTensor`s of (graphdef, state)
+  pairs, and {dtype name: (device bytes, None)} over the dense parameters."""
+  out: dict[str, list] = {}
+  for graphdef, state in weights:
+    model = nnx.merge(graphdef, state)
+    quantized_fields = set()
+    for path, module in nnx.iter_modules(model):
+      if isinstance(module, QuantizedTensor):
+        entry = out.setdefault(module.type_name, [0, 0])
+        entry[0] += module.device_bytes()
+        entry[1] += module.gguf_bytes()
+        quantized_fields.update(tuple(path) + (f,) for f in module.field_names)
+    for path, leaf in nnx.to_flat_state(state):
+      if tuple(path) not in quantized_fields:
+        entry = out.setdefault(np.dtype(leaf.dtype).name, [0, None])
+        entry[0] += int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+  return {name: tuple(entry) for name, entry in out.items()}
+
+
 def assemble(graphdef: nnx.GraphDef, abstract: nnx.State,
              leaves: dict[tuple, jax.Array]) -> tuple[nnx.GraphDef, nnx.State]:
   """Put loaded arrays into the abstract state; (graphdef, state) feed `nnx.merge` or jit."""
@@ -151,9 +255,9 @@ def assemble(graphdef: nnx.GraphDef, abstract: nnx.State,
 
 
 def load_state(source, cfg: ModelConfig, layout: StageLayout, *, dtype="float32",
-               sharding_fn: ShardingFn | None = None,
+               weights: str = "quantized", sharding_fn: ShardingFn | None = None,
                progress: Callable[[int], None] | None = None):
   """(graphdef, state) of a stage read straight from a GGUF source."""
-  graphdef, abstract, leaves = load_leaves(source, cfg, layout, dtype=dtype,
+  graphdef, abstract, leaves = load_leaves(source, cfg, layout, dtype=dtype, weights=weights,
                                            sharding_fn=sharding_fn, progress=progress)
   return assemble(graphdef, abstract, leaves)

@@ -3,6 +3,10 @@
 Rules are role-named (as in tpu-inference): a parameter's role comes from its leaf name and
 picks which axis is split over the mesh's `tensor` axis. A dimension that the axis size does
 not divide stays replicated, so any mesh works, only less evenly.
+
+A quantized parameter (`models/quantized.py`) is its block fields, each shaped like the GGUF
+tensor with the last axis counted in blocks (`[out, n_blocks, ...]`): its split dimension is the
+weight's, in GGUF layout, so an input split divides whole blocks between devices.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mtpjax import errors
+from mtpjax.gguf.quant_blocks import FIELD_NAMES
 
 STAGE, TENSOR = "stage", "tensor"
 
@@ -54,12 +59,24 @@ def role(path: tuple) -> str:
   return path[-1]
 
 
+def _quantized_split(path: tuple) -> int | None:
+  """The split dimension of a quantized field at `path` (weight path + field name)."""
+  weight = path[:-1]
+  split = _SPLIT_DIM.get(role(weight))
+  if split is None:
+    return None
+  if weight[-1] == "weight":           # a Linear: dense [in, out], quantized [out, in]
+    return 0 if split % 2 == 1 else 1
+  return split % (3 if role(weight).endswith("_exps") else 2)
+
+
 def param_spec(path: tuple, shape: tuple, tensor_size: int) -> P:
   """The PartitionSpec of one parameter of a stage's model."""
   dims = [None] * len(shape)
-  split = _SPLIT_DIM.get(role(path))
+  quantized = len(path) > 1 and path[-1] in FIELD_NAMES
+  split = _quantized_split(path) if quantized else _SPLIT_DIM.get(role(path))
   if split is not None and tensor_size > 1 and len(shape) > 0:
-    dim = split % len(shape)
+    dim = split if quantized else split % len(shape)
     if shape[dim] % tensor_size == 0:
       dims[dim] = TENSOR
   return P(*dims)

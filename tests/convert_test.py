@@ -187,14 +187,17 @@ class InterruptedConversionTest(absltest.TestCase):
 class FormatVersionTest(absltest.TestCase):
 
   def test_a_checkpoint_of_the_older_format_is_refused_with_the_remedy(self):
-    # Version 1 stored projections [out, in]; restoring it would transpose square matrices.
-    old = WORK / "format-1"
-    shutil.copytree(CKPT, old)
-    record = checkpoint.read_record(old) | {"format_version": 1}
-    checkpoint.write_record(old, record)
-    with self.assertRaisesRegex(errors.CheckpointError,
-                                r"format 1 is not 3.*re-run python -m mtpjax.convert"):
-      mtpjax.load(old)
+    # Version 1 stored projections [out, in] (restoring it would transpose square matrices);
+    # version 3 had no quantized fields and no tensor types.
+    for version in (1, 3):
+      old = WORK / f"format-{version}"
+      shutil.copytree(CKPT, old)
+      record = checkpoint.read_record(old) | {"format_version": version}
+      checkpoint.write_record(old, record)
+      with self.assertRaisesRegex(
+          errors.CheckpointError,
+          rf"format {version} is not {checkpoint.FORMAT_VERSION}.*python -m mtpjax.convert"):
+        mtpjax.load(old)
 
 
 class ShardedRestoreTest(absltest.TestCase):

@@ -12,7 +12,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mtpjax"
 # Modules of `models/` every layer may import: the architecture-neutral interface.
 NEUTRAL_MODELS = {"mtpjax.models", "mtpjax.models.config", "mtpjax.models.interface",
                   "mtpjax.models.registry", "mtpjax.models.kv_cache",
-                  "mtpjax.models.primitives", "mtpjax.models.traffic"}
+                  "mtpjax.models.primitives", "mtpjax.models.quantized",
+                  "mtpjax.models.traffic"}
 # ARCHITECTURE.md's layers, top first: a module imports only from its layer or those below.
 LAYERS = (
     ("test helpers", ("mtpjax.testing",)),

@@ -61,18 +61,20 @@ _ROUNDS = flags.DEFINE_integer("rounds", 3, "measured (off, on) pairs")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 is greedy")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "nucleus mass")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weight dtype")
+_WEIGHTS = flags.DEFINE_enum("weights", "quantized", ["quantized", "dense"],
+                             "quantized: GGUF quantization kept on the device; dense: dequantized")
 
 _REPORTED_FLAGS = (_SOURCE, _NEW_TOKENS, _PROMPTS, _PROMPT_LEN, _SLOTS, _MTP_COPIES_TRUNK,
-                   _SEED, _PROMPTS_FROM, _ROUNDS, _TEMPERATURE, _TOP_P, _DTYPE)
+                   _SEED, _PROMPTS_FROM, _ROUNDS, _TEMPERATURE, _TOP_P, _DTYPE, _WEIGHTS)
 
 
 def _open_model(tmp: pathlib.Path):
   """(model, description): the given source, or a generated tiny model written into `tmp`."""
   if _SOURCE.value:
-    return mtpjax.load(_SOURCE.value, dtype=_DTYPE.value), _SOURCE.value
+    return mtpjax.load(_SOURCE.value, dtype=_DTYPE.value, weights=_WEIGHTS.value), _SOURCE.value
   spec = TinyGlmSpec(mtp_copies_trunk=_MTP_COPIES_TRUNK.value, seed=_SEED.value)
   path = write_tiny_glm_gguf(tmp / "bench-tiny.gguf", spec)[0]
-  return mtpjax.load(str(path), dtype=_DTYPE.value), (
+  return mtpjax.load(str(path), dtype=_DTYPE.value, weights=_WEIGHTS.value), (
       f"generated tiny glm4moe (seed={spec.seed}, mtp_copies_trunk={spec.mtp_copies_trunk})")
 
 

@@ -1,8 +1,7 @@
 """Feed-forward blocks: the dense (SwiGLU) MLP and the routed mixture of experts (MODEL.md §6).
 
-`Experts` owns the stacked expert weights (GGUF layout `[E, out, in]`, gathered or contracted
-whole) and the contraction of rows with their selected experts, so a grouped-matmul kernel or a
-quantized expert store replaces that one module.
+`Experts` owns the stacked expert weights (GGUF layout `[E, out, in]`, dense or quantized) and
+hands the contraction of rows with their selected experts to `grouped_experts`.
 """
 
 from __future__ import annotations
@@ -11,8 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtpjax.models import grouped_experts
 from mtpjax.models.config import ModelConfig
-from mtpjax.models.primitives import Einsum, Linear, zeros_param
+from mtpjax.models.primitives import Einsum, GgufWeight, Linear, zeros_param
 
 
 class DenseMLP(nnx.Module):
@@ -52,29 +52,18 @@ def route(scores_in: jax.Array, bias: jax.Array, cfg: ModelConfig):
 
 
 class Experts(nnx.Module):
-  """E SwiGLU experts stored `[E, ffn, D]` (gate, up) and `[E, D, ffn]` (down)."""
+  """E SwiGLU experts stored `[E, ffn, D]` (gate, up) and `[E, D, ffn]` (down), dense or
+  quantized (`quantized.QuantizedTensor`, swapped in by the loader); the contraction is
+  `grouped_experts.routed`: only selected experts run, each read once per call."""
 
   def __init__(self, n_experts: int, hidden: int, ffn: int, dtype):
-    self.gate_exps = zeros_param((n_experts, ffn, hidden), dtype)
-    self.up_exps = zeros_param((n_experts, ffn, hidden), dtype)
-    self.down_exps = zeros_param((n_experts, hidden, ffn), dtype)
+    self.gate_exps = GgufWeight(jnp.zeros((n_experts, ffn, hidden), dtype))
+    self.up_exps = GgufWeight(jnp.zeros((n_experts, ffn, hidden), dtype))
+    self.down_exps = GgufWeight(jnp.zeros((n_experts, hidden, ffn), dtype))
 
   def __call__(self, x: jax.Array, expert_ids: jax.Array) -> jax.Array:
     """Each row of x [N, D] through its selected experts [N, K]: outputs [N, K, D]."""
-    n_experts = self.gate_exps.shape[0]
-    gate, up, down = self.gate_exps[...], self.up_exps[...], self.down_exps[...]
-    if x.shape[0] * expert_ids.shape[1] <= n_experts:
-      # Few rows (decode): each (row, expert) pair reads only that expert's weights.
-      def one_expert(row, e):
-        act = jax.nn.silu(gate[e].astype(row.dtype) @ row) * (up[e].astype(row.dtype) @ row)
-        return down[e].astype(row.dtype) @ act
-      return jax.vmap(lambda row, ids: jax.vmap(lambda e: one_expert(row, e))(ids))(
-          x, expert_ids)
-    # Many rows (prefill): run every expert once, then pick the selected outputs.
-    act = jax.nn.silu(jnp.einsum("nd,efd->nef", x, gate.astype(x.dtype)))
-    act = act * jnp.einsum("nd,efd->nef", x, up.astype(x.dtype))
-    every = jnp.einsum("nef,edf->ned", act, down.astype(x.dtype))
-    return jnp.take_along_axis(every, expert_ids[..., None], axis=1)
+    return grouped_experts.routed(x, expert_ids, self.gate_exps, self.up_exps, self.down_exps)
 
 
 class MoE(nnx.Module):

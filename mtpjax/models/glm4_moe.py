@@ -14,7 +14,8 @@ from flax import nnx
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.interface import StageLayout
 from mtpjax.models.layers import DecoderBlock
-from mtpjax.models.primitives import Linear, RMSNorm, zeros_param
+from mtpjax.models import quantized
+from mtpjax.models.primitives import GgufWeight, Linear, RMSNorm
 
 
 class MtpHead(nnx.Module):
@@ -28,7 +29,7 @@ class MtpHead(nnx.Module):
     self.eh_proj = Linear(2 * d, d, dtype)
     self.block = DecoderBlock(cfg, cfg.mtp_layer, dtype)
     self.head_norm = RMSNorm(d, cfg.eps) if cfg.mtp_head_norm else None
-    self.embed = zeros_param((cfg.vocab_size, d), dtype) if cfg.mtp_embed else None
+    self.embed = GgufWeight(jnp.zeros((cfg.vocab_size, d), dtype)) if cfg.mtp_embed else None
     self.head = Linear(d, cfg.vocab_size, dtype) if cfg.mtp_head else None
 
 
@@ -40,7 +41,8 @@ class GlmModel(nnx.Module):
     self.layout = layout
     self.dtype = dtype
     d, v = cfg.hidden, cfg.vocab_size
-    self.embed = zeros_param((v, d), dtype) if layout.needs_token_embedding(cfg) else None
+    self.embed = (GgufWeight(jnp.zeros((v, d), dtype)) if layout.needs_token_embedding(cfg)
+                  else None)
     self.layers = nnx.List([DecoderBlock(cfg, i, dtype)
                             for i in range(layout.layer_start, layout.layer_end)])
     self.output_norm = RMSNorm(d, cfg.eps) if layout.output else None
@@ -56,7 +58,7 @@ class GlmModel(nnx.Module):
   # --- trunk -----------------------------------------------------------------------------------
 
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-    return jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+    return quantized.rows(self.embed, tokens).astype(self.dtype)
 
   def run_layers(self, x: jax.Array, positions: jax.Array, kv: list,
                  selection: jax.Array | None = None) -> tuple[jax.Array, list, jax.Array | None]:
@@ -77,6 +79,8 @@ class GlmModel(nnx.Module):
 
   def lm_logits(self, hidden: jax.Array) -> jax.Array:
     if self.head is None:   # tied: the embedding table [V, D] is the head
+      if isinstance(self.embed, quantized.QuantizedTensor):
+        return quantized.matmul(hidden, self.embed).astype(jnp.float32)
       return jnp.einsum("...d,vd->...v", hidden, self.embed[...].astype(hidden.dtype)
                         ).astype(jnp.float32)
     return self.head(hidden).astype(jnp.float32)
@@ -90,7 +94,7 @@ class GlmModel(nnx.Module):
     """
     mtp = self.mtp
     table = mtp.embed if mtp.embed is not None else self.embed
-    e = jnp.take(table[...], tokens, axis=0).astype(self.dtype)
+    e = quantized.rows(table, tokens).astype(self.dtype)
     u = jnp.concatenate([mtp.enorm(e), mtp.hnorm(prev_hidden.astype(self.dtype))], axis=-1)
     y, mtp_kv, _ = mtp.block(mtp.eh_proj(u), positions, mtp_kv)
     norm = mtp.head_norm if mtp.head_norm is not None else self.output_norm

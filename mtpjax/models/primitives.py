@@ -2,7 +2,8 @@
 
 Projection and expert weights live in modules that do their own contraction (`Linear`,
 `Einsum`, `ffn.Experts`), so a new weight representation (integers with scales) or kernel is a
-swap of these modules plus a loader rule, never a hunt through call sites.
+swap of these modules plus a loader rule, never a hunt through call sites. A `Linear` weight may
+be a `quantized.QuantizedTensor` instead (the loader swaps it in), kept in GGUF layout `[out, in]`.
 
 `Linear` stores its matrix `[in, out]`, the transpose of GGUF's `[out, in]` (the loader
 transposes it): `x @ W` over row-major `[in, out]` keeps a verify pass of 2 rows (and any small
@@ -16,9 +17,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtpjax.models import quantized
+
 
 class LinearWeight(nnx.Param):
   """A projection matrix stored `[in, out]`: the transpose of its GGUF tensor."""
+
+
+class GgufWeight(nnx.Param):
+  """A matrix (or stack) stored in its GGUF layout, blocks along the last axis: embeddings and
+  experts. The loader may replace it (like a `LinearWeight`) by a `quantized.QuantizedTensor`."""
 
 
 def zeros_param(shape, dtype) -> nnx.Param:
@@ -27,14 +35,18 @@ def zeros_param(shape, dtype) -> nnx.Param:
 
 
 class Linear(nnx.Module):
-  """`x @ weight (+ bias)` with `weight` [in, out] (a `LinearWeight`) and a float32 bias."""
+  """`x @ weight (+ bias)` with `weight` [in, out] (a `LinearWeight`), or a quantized
+  `[out, in]` GGUF tensor, and a float32 bias."""
 
   def __init__(self, in_dim: int, out_dim: int, dtype, *, bias: bool = False):
     self.weight = LinearWeight(jnp.zeros((in_dim, out_dim), dtype))
     self.bias = zeros_param((out_dim,), jnp.float32) if bias else None
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    y = jnp.einsum("...i,io->...o", x, self.weight[...].astype(x.dtype))
+    if isinstance(self.weight, quantized.QuantizedTensor):
+      y = quantized.matmul(x, self.weight)
+    else:
+      y = jnp.einsum("...i,io->...o", x, self.weight[...].astype(x.dtype))
     return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from flax import nnx
 
+from mtpjax.gguf.quant_blocks import FIELD_NAMES
 from mtpjax.models.config import ModelConfig
 
 
@@ -20,8 +21,12 @@ def weight_mb_per_step(params, cfg: ModelConfig, slots: int = 1) -> dict[str, fl
   (tied) head. On a host bound by memory bandwidth (a CPU) the ratio of the two bounds what
   drafting can gain: about tokens_per_target_pass / ratio.
   """
-  # Parameter paths as the loader writes them, e.g. ('layers', 1, 'ffn', 'experts', 'gate_exps').
-  sizes = {path: leaf[...].nbytes for path, leaf in nnx.to_flat_state(params)}
+  # Parameter paths as the loader writes them, e.g. ('layers', 1, 'ffn', 'experts', 'gate_exps');
+  # a quantized weight's block fields (`.../gate_exps/qs`, `.../d`) count as that weight.
+  sizes: dict[tuple, int] = {}
+  for path, leaf in nnx.to_flat_state(params):
+    path = tuple(path[:-1]) if path[-1] in FIELD_NAMES else tuple(path)
+    sizes[path] = sizes.get(path, 0) + leaf[...].nbytes
 
   def read(part: str, rows: int, skip: tuple[str, ...] = ()) -> float:
     """Bytes of the parameters under `part` (minus its `skip` children) that `rows` rows read."""

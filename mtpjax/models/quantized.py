@@ -1,0 +1,248 @@
+"""GGUF-quantized weights kept on the device as integers plus per-block scales.
+
+A `QuantizedTensor` holds one GGUF tensor (numpy layout, `[out, in]` or `[E, out, in]`, blocks
+along the last axis) as the block fields of `gguf/quant_blocks.py`. Its values are computed on
+the device by mirroring `gguf.quants.dequantize` operation for operation in float32, so they are
+bit-identical to it. Fusing a multiply into a following add (FMA, which XLA does on CPU and GPU)
+cannot change them either: every product here is exact in float32 (an f16 scale times a 6-bit
+sub-scale times a small integer needs at most 22 significant bits), except Q6_K's, which is not
+followed by an add.
+
+What each backend stores: every field as its GGUF bytes (f16 scales, int8 / uint8 with two
+4-bit values packed per byte, unpacked by shifts on the fly). That is portable (CPU, GPU, TPU)
+and costs 1.00x-1.04x the file's bytes; no backend gets a wider copy.
+
+Contraction (`matmul`): a decode row (on accelerators up to 16 rows: decode, verify) multiplies
+and reduces against the values computed from the integers inside one XLA loop, so no dense
+weight is materialized; more rows (prefill) dequantize the matrix once and use the backend's
+GEMM.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtpjax.gguf import quant_blocks
+
+F32 = jnp.float32
+# Row counts up to this contract in a fused loop against the integers; more rows dequantize
+# once and run a GEMM. On XLA:CPU the fused loop beats dequantize + GEMM for one row only (it
+# recomputes the values per row); on accelerators it reads 4-8x fewer bytes up to a few rows.
+def fused_rows() -> int:
+  return 1 if jax.default_backend() == "cpu" else 16
+
+
+class QuantizedTensor(nnx.Module):
+  """One GGUF tensor of `shape` (numpy layout) kept as `type_name` blocks (static metadata)."""
+
+  def __init__(self, type_name: str, shape: tuple[int, ...]):
+    self.type_name = type_name
+    self.shape = tuple(int(d) for d in shape)
+    for name, (field_shape, dtype) in quant_blocks.field_specs(type_name, shape).items():
+      setattr(self, name, nnx.Param(jnp.zeros(field_shape, dtype)))
+
+  @property
+  def field_names(self) -> tuple[str, ...]:
+    return tuple(quant_blocks.field_specs(self.type_name, self.shape))
+
+  def fields(self) -> dict[str, jax.Array]:
+    return {name: getattr(self, name)[...] for name in self.field_names}
+
+  def dequantize(self) -> jax.Array:
+    return dequantize_fields(self.type_name, self.fields())
+
+  def device_bytes(self) -> int:
+    return sum(math.prod(s) * d.itemsize
+               for s, d in quant_blocks.field_specs(self.type_name, self.shape).values())
+
+  def gguf_bytes(self) -> int:
+    return quant_blocks.gguf_nbytes(self.type_name, self.shape)
+
+
+def _f32(a):
+  return a.astype(F32)
+
+
+def _nibbles(qs, groups: int, width: int):
+  """[..., nb, groups*width] bytes -> [..., nb, groups, 2, width]: low nibbles, then high."""
+  packed = qs.reshape(qs.shape[:-1] + (groups, 1, width))
+  return (packed >> jnp.array([0, 4], jnp.uint8).reshape(2, 1)) & jnp.uint8(0x0F)
+
+
+def _bits(mask, shifts: int):
+  """[..., nb, n] bytes -> [..., nb, shifts, n]: bit s of each byte in row s."""
+  return (mask[..., None, :] >> jnp.arange(shifts, dtype=jnp.uint8).reshape(shifts, 1)) & 1
+
+
+def _crumbs(qs, groups: int):
+  """[..., nb, groups*32] bytes of 2-bit values -> [..., nb, groups, 4, 32]."""
+  packed = qs.reshape(qs.shape[:-1] + (groups, 1, 32))
+  return (packed >> jnp.array([0, 2, 4, 6], jnp.uint8).reshape(4, 1)) & jnp.uint8(3)
+
+
+def _blocks(f: dict[str, jax.Array], t: str) -> jax.Array:
+  """[..., nb, block] float32 values of one type, in gguf-py's order of operations."""
+  nb = f["d"].shape
+  if t == "Q8_0":
+    return _f32(f["qs"]) * _f32(f["d"])[..., None]
+  if t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+    q = _nibbles(f["qs"], 1, 16).reshape(nb + (32,))
+    if t in ("Q5_0", "Q5_1"):
+      q = q | (_bits(f["qh"], 8).swapaxes(-1, -2).reshape(nb + (32,)) << jnp.uint8(4))
+    d = _f32(f["d"])[..., None]
+    if t == "Q4_0":
+      return d * _f32(q.astype(jnp.int8) - jnp.int8(8))
+    if t == "Q5_0":
+      return d * _f32(q.astype(jnp.int8) - jnp.int8(16))
+    return d * _f32(q) + _f32(f["m"])[..., None]
+  if t == "Q2_K":
+    d, dmin, sc = _f32(f["d"])[..., None], _f32(f["dmin"])[..., None], f["scales"]
+    dl = (d * _f32(sc & jnp.uint8(0xF)))[..., None]
+    ml = (dmin * _f32(sc >> jnp.uint8(4)))[..., None]
+    q = _f32(_crumbs(f["qs"], 2).reshape(nb + (16, 16)))
+    return (dl * q - ml).reshape(nb + (256,))
+  if t == "Q3_K":
+    dl = (_f32(f["d"])[..., None] * _f32(f["scales"]))[..., None]
+    ql = _crumbs(f["qs"], 2).reshape(nb + (16, 16))
+    qh = _bits(f["hmask"], 8).reshape(nb + (16, 16)) ^ jnp.uint8(1)
+    q = _f32(ql.astype(jnp.int8) - (qh << jnp.uint8(2)).astype(jnp.int8))
+    return (dl * q).reshape(nb + (256,))
+  if t in ("Q4_K", "Q5_K"):
+    d = (_f32(f["d"])[..., None] * _f32(f["sc"]))[..., None]
+    dm = (_f32(f["dmin"])[..., None] * _f32(f["m"]))[..., None]
+    q = _nibbles(f["qs"], 4, 32).reshape(nb + (8, 32))
+    if t == "Q5_K":
+      q = q | (_bits(f["qh"], 8) << jnp.uint8(4))
+    return (d * _f32(q) - dm).reshape(nb + (256,))
+  if t == "Q6_K":
+    d = (_f32(f["d"])[..., None] * _f32(f["scales"]))[..., None]
+    ql = _nibbles(f["ql"], 2, 64).reshape(nb + (8, 32))
+    qh = _crumbs(f["qh"], 2).reshape(nb + (8, 32))
+    q = ((ql | (qh << jnp.uint8(4))).astype(jnp.int8) - jnp.int8(32)).reshape(nb + (16, 16))
+    return (d * _f32(q)).reshape(nb + (256,))
+  raise ValueError(f"no device dequantization for ggml type {t}")
+
+
+def dequantize_fields(type_name: str, fields: dict[str, jax.Array]) -> jax.Array:
+  """float32 values `[..., in]` of quantized fields (any leading dims, e.g. gathered experts)."""
+  values = _blocks(fields, type_name)
+  return values.reshape(values.shape[:-2] + (-1,))
+
+
+def gather(weight, ids: jax.Array):
+  """Rows `ids` of axis 0 of a dense array or a `QuantizedTensor`, still in its storage form:
+  (type name or None, fields). Experts and embedding rows are read by id this way."""
+  if isinstance(weight, QuantizedTensor):
+    return weight.type_name, {n: jnp.take(a, ids, axis=0) for n, a in weight.fields().items()}
+  return None, {"w": jnp.take(weight[...], ids, axis=0)}
+
+
+def values(type_name: str | None, fields: dict[str, jax.Array]) -> jax.Array:
+  """The float values of a `gather` result (dense fields come back as stored)."""
+  return fields["w"] if type_name is None else dequantize_fields(type_name, fields)
+
+
+def rows(weight, ids: jax.Array) -> jax.Array:
+  """Embedding lookup: rows `ids` of a `[V, D]` table, dense or quantized."""
+  return values(*gather(weight, ids))
+
+
+def matmul(x: jax.Array, weight: QuantizedTensor) -> jax.Array:
+  """`x [..., in]` times a quantized `[out, in]` weight, transposed: `[..., out]` in x's dtype."""
+  if math.prod(x.shape[:-1]) <= fused_rows():
+    return fused_contract(x, weight.type_name, weight.fields())
+  return jnp.einsum("...i,oi->...o", x, weight.dequantize().astype(x.dtype))
+
+
+def _shifted(byte, shifts):
+  """`byte [..., n]` shifted right by each of `shifts` (a list): [..., len(shifts), n]."""
+  return byte[..., None, :] >> jnp.array(shifts, jnp.uint8).reshape(-1, 1)
+
+
+def _planes(f: dict[str, jax.Array], t: str):
+  """(view, [(index, values)]): x viewed as `[..., nb, *view]` and the weight's float32 values
+  plane by plane, `values` lining up with `x_view[..., index]`.
+
+  The same element arithmetic as `_blocks`, but each plane is one shift of the packed bytes in
+  their stored order: no interleaving of nibbles or bits, which XLA:CPU cannot keep in a
+  vectorized reduction (~10x slower).
+  """
+  nb = f["d"].shape
+  d = _f32(f["d"])[..., None]
+  if t == "Q8_0":
+    return (32,), [((), _f32(f["qs"]) * d)]
+  if t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+    planes = []
+    for h in range(2):                                  # low nibbles: elements 0-15, high: 16-31
+      for b in range(2):                                # 8 elements per qh byte
+        q = (f["qs"][..., 8 * b:8 * b + 8] >> jnp.uint8(4 * h)) & jnp.uint8(0x0F)
+        if t in ("Q5_0", "Q5_1"):
+          bits = _shifted(f["qh"][..., 2 * h + b:2 * h + b + 1], list(range(8)))[..., 0]
+          q = q | ((bits & jnp.uint8(1)) << jnp.uint8(4))
+        if t == "Q4_0":
+          w = d * _f32(q.astype(jnp.int8) - jnp.int8(8))
+        elif t == "Q5_0":
+          w = d * _f32(q.astype(jnp.int8) - jnp.int8(16))
+        else:
+          w = d * _f32(q) + _f32(f["m"])[..., None]
+        planes.append(((h, b), w))
+    return (2, 2, 8), planes
+  if t in ("Q4_K", "Q5_K"):
+    # element 64c + 32h + i: nibble h of qs[32c + i], sub-block 2c + h (Q5_K: bit 2c+h of qh[i])
+    dl = (d * _f32(f["sc"])).reshape(nb + (4, 2))
+    ml = (_f32(f["dmin"])[..., None] * _f32(f["m"])).reshape(nb + (4, 2))
+    qs = f["qs"].reshape(nb + (4, 32))
+    planes = []
+    for h in range(2):
+      q = (qs >> jnp.uint8(4 * h)) & jnp.uint8(0x0F)
+      if t == "Q5_K":
+        q = q | ((_shifted(f["qh"], [h, 2 + h, 4 + h, 6 + h]) & jnp.uint8(1)) << jnp.uint8(4))
+      planes.append(((slice(None), h), dl[..., h, None] * _f32(q) - ml[..., h, None]))
+    return (4, 2, 32), planes
+  # Q2_K, Q3_K, Q6_K: element 128c + 32s + 16g + j, sub-block 8c + 2s + g
+  planes = []
+  for s in range(4):
+    sub = lambda a: a.reshape(nb + (2, 4, 2))[..., s, :][..., None]   # [..., nb, 2, 2, 1]
+    if t == "Q6_K":
+      ql = f["ql"].reshape(nb + (2, 2, 2, 16))[..., s % 2, :, :]
+      qh = f["qh"].reshape(nb + (2, 2, 16))
+      q = ((ql >> jnp.uint8(4 * (s // 2))) & jnp.uint8(0x0F)) | (
+          ((qh >> jnp.uint8(2 * s)) & jnp.uint8(3)) << jnp.uint8(4))
+      w = sub(d * _f32(f["scales"])) * _f32(q.astype(jnp.int8) - jnp.int8(32))
+    else:
+      q2 = (f["qs"].reshape(nb + (2, 2, 16)) >> jnp.uint8(2 * s)) & jnp.uint8(3)
+      if t == "Q2_K":
+        sc = f["scales"]
+        w = (sub(d * _f32(sc & jnp.uint8(0xF))) * _f32(q2)
+             - sub(_f32(f["dmin"])[..., None] * _f32(sc >> jnp.uint8(4))))
+      else:                                             # Q3_K: high bit 4c + s of hmask[32g + j]
+        hbit = (f["hmask"][..., None, :] >> jnp.array([s, 4 + s], jnp.uint8).reshape(2, 1))
+        hbit = (hbit & jnp.uint8(1)).reshape(nb + (2, 2, 16)) ^ jnp.uint8(1)
+        q = _f32(q2.astype(jnp.int8) - (hbit << jnp.uint8(2)).astype(jnp.int8))
+        w = sub(d * _f32(f["scales"])) * q
+    planes.append(((slice(None), s), w))
+  return (2, 4, 2, 16), planes
+
+
+def fused_contract(x: jax.Array, type_name: str, fields: dict[str, jax.Array]) -> jax.Array:
+  """`x [..., in]` against quantized `[..., out, in]` fields without a dense weight: `[..., out]`
+  (x's leading dims broadcast against the fields' leading dims, e.g. one row per gathered expert).
+
+  The values are computed from the integers inside the reduction, plane by plane (`_planes`).
+  XLA:CPU vectorizes a reduce over a short contiguous run well and a reduce over a whole row
+  badly (~70x slower), so each plane sums its innermost run first, then the rest.
+  """
+  view, planes = _planes(fields, type_name)
+  nb = fields["d"].shape[-1]
+  xs = x.astype(F32).reshape(x.shape[:-1] + (1, nb) + view)            # [..., 1, nb, *view]
+  total = None
+  for index, w in planes:
+    xv = xs[(...,) + index + (slice(None),) * (len(view) - len(index))] if index else xs
+    part = jnp.sum(xv * w, axis=-1)
+    part = jnp.sum(part, axis=tuple(range(-(part.ndim - x.ndim), 0)))
+    total = part if total is None else total + part
+  return total.astype(x.dtype)

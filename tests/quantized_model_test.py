@@ -1,0 +1,138 @@
+"""Models loaded with weights="quantized": the llama.cpp fixtures, MTP, checkpoints, sharding.
+
+References: llama.cpp's logits on the same GGUF bytes (argmax), the same file loaded from its
+GGUF and from its checkpoint, the GGUF's own tensor byte counts (read with the real `gguf`
+library) and MTP off.
+"""
+
+import pathlib
+import tempfile
+
+import gguf
+import jax
+import numpy as np
+from absl.testing import absltest, parameterized
+from flax import nnx
+
+import mtpjax
+from mtpjax import checkpoint, errors, loading, sharding
+from mtpjax.convert import convert
+from mtpjax.models.interface import StageLayout
+from mtpjax.models.quantized import QuantizedTensor
+from fixtures import FIXTURES
+
+FIXTURE = FIXTURES / "glm4moe-tiny"
+IDS = np.load(FIXTURE / "hf_ref.npz")["token_ids"]
+
+
+def _agreement(a, b) -> float:
+  return float(np.mean(a.argmax(-1) == b.argmax(-1)))
+
+
+def _gguf_tensor_bytes(path) -> int:
+  return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+
+
+class QuantizedFixtureTest(parameterized.TestCase):
+
+  @parameterized.parameters("Q8_0", "Q4_K_M")
+  def test_agrees_with_llama_cpp_within_the_byte_budget(self, qtype):
+    path = FIXTURE / f"glm4moe_h64-{qtype}.gguf"
+    llama = np.load(FIXTURE / f"llama_{qtype}.npz")
+    model = mtpjax.load(path, weights="quantized")
+    logits, mtp = model.logits(IDS), model.mtp_logits(IDS)
+    self.assertTrue(model.mtp_head_loaded)
+    self.assertGreaterEqual(_agreement(logits, llama["logits"]), 0.95)
+    self.assertGreaterEqual(_agreement(mtp, llama["mtp_logits"]), 0.95)
+    # Every parameter the GGUF holds quantized is on the device as integers + scales, and the
+    # whole model (MTP head included) takes at most 1.25x the file's tensor bytes.
+    by_type = model.weight_bytes_by_type()
+    device = sum(entry[0] for entry in by_type.values())
+    self.assertLessEqual(device / _gguf_tensor_bytes(path), 1.25, by_type)
+    for name, (device_bytes, gguf_bytes) in by_type.items():
+      if gguf_bytes is not None:
+        self.assertLessEqual(device_bytes, 1.04 * gguf_bytes, name)
+    self.assertEqual(set(by_type), {"float32", "Q8_0"} if qtype == "Q8_0"
+                     else {"float32", "Q8_0", "Q5_0", "Q5_1"})
+
+  def test_mtp_on_equals_off_greedy_and_sampled(self):
+    model = mtpjax.load(FIXTURE / "glm4moe_h64-Q4_K_M.gguf", weights="quantized")
+    prompt = IDS[:12]
+    for sampling in (dict(temperature=0.0), dict(temperature=0.9, top_k=40, seed=7)):
+      off = model.generate(prompt, max_new_tokens=12, speculative="disabled", **sampling)
+      on = model.generate(prompt, max_new_tokens=12, speculative="native-mtp-n1",
+                          adaptive_drafting=False, **sampling)
+      self.assertEqual(on.tokens, off.tokens, sampling)
+      self.assertGreater(on.stats.drafted, 0)
+
+  def test_types_without_a_device_form_fall_back_to_dense_with_a_log_line(self):
+    model = mtpjax.load(FIXTURE / "glm4moe_h64-Q8_0.gguf", weights="dense")
+    layout = StageLayout.whole(model.config, mtp=False)
+    types = {"blk.0.attn_q.weight": "IQ4_NL", "blk.0.attn_k.weight": "Q4_K",
+             "blk.0.attn_norm.weight": "F32", "blk.1.ffn_up_exps.weight": "Q6_K",
+             "token_embd.weight": "TQ2_0"}
+    with self.assertLogs(level="INFO") as logs:
+      formats = loading.weight_formats(types, model.config, layout, "quantized")
+    self.assertEqual(formats, {("layers", 0, "attn", "wk", "weight"): "Q4_K",
+                               ("layers", 1, "ffn", "experts", "up_exps"): "Q6_K"})
+    fallbacks = [line for line in logs.output if "kept dense" in line]
+    self.assertLen(fallbacks, 2)
+    self.assertIn("blk.0.attn_q.weight", fallbacks[0] + fallbacks[1])
+    self.assertEqual(loading.weight_formats(types, model.config, layout, "dense"), {})
+
+  def test_bad_weights_value_is_a_typed_error(self):
+    with self.assertRaisesRegex(errors.ConversionError, "weights"):
+      mtpjax.load(FIXTURE / "glm4moe_h64-Q8_0.gguf", weights="int4")
+
+
+class QuantizedCheckpointTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.tmp = tempfile.TemporaryDirectory()
+    cls.src = FIXTURE / "glm4moe_h64-Q4_K_M.gguf"
+    cls.ckpt = convert(cls.src, pathlib.Path(cls.tmp.name) / "q", show_progress=False)
+    cls.want = mtpjax.load(cls.src).logits(IDS)
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.tmp.cleanup()
+    super().tearDownClass()
+
+  def test_round_trip_restores_the_quantized_form_exactly(self):
+    record = checkpoint.read_record(self.ckpt)
+    self.assertEqual(record["weights"], "quantized")
+    stored = sum(f.stat().st_size for f in (self.ckpt / "parts").rglob("*") if f.is_file())
+    self.assertLess(stored, 2 * _gguf_tensor_bytes(self.src))     # dense float32 is ~3.2x
+    restored = mtpjax.load(self.ckpt)
+    np.testing.assert_array_equal(restored.logits(IDS), self.want)
+    wq = _module(restored, ("layers", 0, "attn", "wq", "weight"))
+    self.assertIsInstance(wq, QuantizedTensor)
+    self.assertEqual(wq.type_name, "Q5_0")
+
+  def test_a_form_other_than_the_checkpoint_is_refused_with_the_remedy(self):
+    with self.assertRaisesRegex(errors.CheckpointError, "holds quantized weights.*--weights"):
+      mtpjax.load(self.ckpt, weights="dense")
+
+  def test_restores_onto_a_tensor_mesh_keeping_whole_blocks(self):
+    mesh = sharding.make_mesh(stages=1, tensor=2)
+    restored = mtpjax.load(self.ckpt, mesh=mesh)
+    np.testing.assert_allclose(restored.logits(IDS), self.want, atol=2e-4, rtol=0)
+    wq = _module(restored, ("layers", 0, "attn", "wq", "weight"))   # [128, 64] Q5_0: out split
+    self.assertEqual(wq.qs[...].sharding.spec, jax.sharding.PartitionSpec("tensor", None, None))
+    wo = _module(restored, ("layers", 0, "attn", "wo", "weight"))   # [64, 128]: 4 blocks a row
+    self.assertEqual(wo.d[...].sharding.spec, jax.sharding.PartitionSpec(None, "tensor"))
+    self.assertEqual(wo.d[...].addressable_shards[0].data.shape, (64, 2))
+
+
+def _module(model, path):
+  graphdef, state = model.weights(with_mtp=model.load_options.native_mtp)
+  node = nnx.merge(graphdef, state)
+  for key in path:
+    node = node[key] if isinstance(key, int) else getattr(node, key)
+  return node
+
+
+if __name__ == "__main__":
+  absltest.main()

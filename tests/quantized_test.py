@@ -1,0 +1,91 @@
+"""Quantized weights on the device equal gguf-py's dequantization bit for bit.
+
+Reference: `gguf.quants.dequantize` (the real library llama.cpp agrees with) on random valid
+blocks (every f16 field a finite f16, random bits elsewhere) and on the llama.cpp-made fixture
+tensors, against the jitted device path (`models/quantized.py`) over the host fields
+(`gguf/quant_blocks.py`).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+from gguf import GGUFReader, quants
+from gguf.constants import GGMLQuantizationType
+
+from mtpjax.gguf import quant_blocks
+from mtpjax.models import quantized
+from mtpjax.testing.random_blocks import random_valid_blocks
+from fixtures import FIXTURES
+
+# numpy shapes with several leading dims, so gathers and block reshapes are exercised.
+_SHAPES = {"Q8_0": (3, 4, 64), "Q4_0": (5, 96), "Q4_1": (2, 3, 64), "Q5_0": (4, 64),
+           "Q5_1": (3, 128), "Q2_K": (2, 3, 512), "Q3_K": (4, 256), "Q4_K": (3, 2, 256),
+           "Q5_K": (3, 512), "Q6_K": (2, 2, 256)}
+
+
+_device_values = jax.jit(quantized.dequantize_fields, static_argnums=0)
+
+
+class ExactnessTest(parameterized.TestCase):
+
+  @parameterized.parameters(*sorted(_SHAPES))
+  def test_random_blocks_bit_for_bit(self, type_name):
+    rng = np.random.default_rng(sum(map(ord, type_name)))
+    shape = _SHAPES[type_name]
+    raw = random_valid_blocks(rng, type_name, shape)
+    want = quants.dequantize(raw, GGMLQuantizationType[type_name]).reshape(shape)
+    got = np.asarray(_device_values(type_name, quant_blocks.unpack(type_name, raw, shape)))
+    self.assertEqual(got.dtype, np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+  def test_llama_cpp_fixture_tensors_bit_for_bit(self):
+    seen = set()
+    for name in ("glm4moe-tiny/glm4moe_h64-Q4_K_M.gguf", "glm4moe-tiny/glm4moe_h64-Q8_0.gguf"):
+      for tensor in GGUFReader(FIXTURES / name).tensors:
+        type_name = tensor.tensor_type.name
+        if type_name not in quant_blocks.DEVICE_TYPES:
+          continue
+        seen.add(type_name)
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        want = quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        got = np.asarray(_device_values(type_name,
+                                        quant_blocks.unpack(type_name, tensor.data, shape)))
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=name)
+    self.assertEqual(seen, {"Q8_0", "Q5_0", "Q5_1"})
+
+  @parameterized.parameters(*sorted(_SHAPES))
+  def test_fused_contraction_reads_the_exact_values(self, type_name):
+    # Unit rows pick single weights out of the fused reduction: x = e_i gives column i exactly.
+    rng = np.random.default_rng(1 + sum(map(ord, type_name)))
+    shape = (3,) + _SHAPES[type_name][-1:]
+    raw = random_valid_blocks(rng, type_name, shape)
+    want = quants.dequantize(raw, GGMLQuantizationType[type_name]).reshape(shape)
+    fields = {n: jnp.asarray(a) for n, a in quant_blocks.unpack(type_name, raw, shape).items()}
+    eye = jnp.eye(shape[-1], dtype=jnp.float32)
+    got = jax.jit(quantized.fused_contract, static_argnums=1)(eye, type_name, fields)
+    np.testing.assert_array_equal(np.asarray(got).T, want)
+
+  def test_device_bytes_near_file_bytes(self):
+    for type_name, shape in _SHAPES.items():
+      tensor = quantized.QuantizedTensor(type_name, shape)
+      ratio = tensor.device_bytes() / tensor.gguf_bytes()
+      self.assertBetween(ratio, 1.0, 1.04, msg=type_name)
+
+  def test_matmul_few_and_many_rows_use_the_exact_values(self):
+    rng = np.random.default_rng(0)
+    shape = (48, 512)
+    raw = random_valid_blocks(rng, "Q4_K", shape)
+    dense = quants.dequantize(raw, GGMLQuantizationType.Q4_K).reshape(shape)
+    tensor = quantized.QuantizedTensor("Q4_K", shape)
+    for name, array in quant_blocks.unpack("Q4_K", raw, shape).items():
+      getattr(tensor, name)[...] = jnp.asarray(array)
+    for rows in (1, quantized.fused_rows() + 4):
+      x = rng.standard_normal((rows, shape[1])).astype(np.float32) * 1e-3
+      got = np.asarray(jax.jit(quantized.matmul)(jnp.asarray(x), tensor))
+      want = x.astype(np.float64) @ dense.T.astype(np.float64)
+      np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-4 * np.abs(want).max())
+
+
+if __name__ == "__main__":
+  absltest.main()
