@@ -12,6 +12,7 @@ embeddings) so activations stay finite through the few layers.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import tempfile
@@ -24,7 +25,8 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from mtpjax.gguf.tensors import keeps_f32
 from mtpjax.testing.glm_variants import GlmVariant
-from mtpjax.testing.tiny_glm import (TinyGlmSpec, _add_model_keys, add_tokenizer,
+from mtpjax.testing.tiny_glm import (_KQUANT_SCALE_FIELDS, TinyGlmSpec, _add_model_keys,
+                                     _random_kquant, _set_f16, add_tokenizer,
                                      encode_tiny_glm_tensor, tensor_type_for,
                                      tiny_tokenizer_metadata)
 
@@ -135,22 +137,57 @@ def type_spec(v: GlmVariant, n_trunk_layers: int, tensor_type: str) -> TinyGlmSp
       routed_scale=v.routed_scale, context_length=v.context_length, tensor_type=tensor_type)
 
 
-def _values(seed: int, name: str, shape: tuple[int, ...], rows: slice) -> np.ndarray:
-  """float32 rows `rows` of the flattened [-1, shape[-1]] tensor; depends on (seed, name, row)."""
-  n = rows.stop - rows.start
-  rng = np.random.default_rng([seed, zlib.crc32(name.encode()), rows.start])
-  if len(shape) == 1:
-    if name.endswith(".bias"):
-      return (0.1 * rng.standard_normal((n, shape[-1]), np.float32))
-    return 1.0 + 0.1 * rng.standard_normal((n, shape[-1]), np.float32)
-  gain = 1.0
+def _std(name: str, shape: tuple[int, ...]) -> float:
+  """Standard deviation of a 2-D/3-D weight: unit embeddings, N(0, gain^2 / fan_in) else."""
   if name.endswith(("token_embd.weight", "nextn.embed_tokens.weight")):
-    gain = math.sqrt(shape[-1])          # unit-variance embeddings
-  elif name.endswith(("output.weight", "shared_head_head.weight")):
+    return 1.0
+  gain = 1.0
+  if name.endswith(("output.weight", "shared_head_head.weight")):
     gain = _HEAD_GAIN
   elif name.endswith("ffn_gate_inp.weight"):
     gain = _ROUTER_GAIN
-  return rng.standard_normal((n, shape[-1]), np.float32) * np.float32(gain / math.sqrt(shape[-1]))
+  return gain / math.sqrt(shape[-1])
+
+
+def _rng(seed: int, name: str, rows: slice) -> np.random.Generator:
+  return np.random.default_rng([seed, zlib.crc32(name.encode()), rows.start])
+
+
+def _values(seed: int, name: str, shape: tuple[int, ...], rows: slice) -> np.ndarray:
+  """float32 rows `rows` of the flattened [-1, shape[-1]] tensor; depends on (seed, name, row)."""
+  n, rng = rows.stop - rows.start, _rng(seed, name, rows)
+  if len(shape) == 1:
+    base = 0.0 if name.endswith(".bias") else 1.0
+    return base + 0.1 * rng.standard_normal((n, shape[-1]), np.float32)
+  return rng.standard_normal((n, shape[-1]), np.float32) * np.float32(_std(name, shape))
+
+
+@functools.cache
+def _unit_kquant_scales(qtype: GGMLQuantizationType) -> tuple[float, float]:
+  """(d, dmin) that give random blocks of `qtype` ~zero mean and unit std: the medians of
+  tiny_glm's per-block fit over a sample of unit-normal blocks."""
+  block = GGML_QUANT_SIZES[qtype][0]
+  sample = np.random.default_rng(0).standard_normal((1024, block)).astype(np.float32)
+  fitted = _random_kquant(sample, qtype, 0).reshape(1024, -1)
+  d_off, m_off = _KQUANT_SCALE_FIELDS[qtype]
+  field = lambda off: float(np.median(
+      fitted[:, off:off + 2].copy().view(np.float16).astype(np.float64)))
+  return field(d_off), (field(m_off) if m_off is not None else 0.0)
+
+
+def _random_kquant_rows(qtype: GGMLQuantizationType, std: float, n_rows: int, row: int,
+                        rng: np.random.Generator) -> np.ndarray:
+  """Random K-quant blocks with the same f16 scales everywhere, scaled to `std`: fitting each
+  block (tiny_glm's `_random_kquant`) runs gguf-py's dequantizer twice per block, minutes for a
+  real-shape model, and a benchmark only needs finite, sanely scaled weights."""
+  block, type_size = GGML_QUANT_SIZES[qtype]
+  d, dmin = _unit_kquant_scales(qtype)
+  d_off, m_off = _KQUANT_SCALE_FIELDS[qtype]
+  blocks = rng.integers(0, 256, size=(n_rows * row // block, type_size), dtype=np.uint8)
+  blocks = _set_f16(blocks, d_off, std * d)
+  if m_off is not None:
+    blocks = _set_f16(blocks, m_off, std * dmin)
+  return blocks.reshape(n_rows, row // block * type_size)
 
 
 def _stored(spec: TinyGlmSpec, name: str, shape: tuple[int, ...]
@@ -177,11 +214,13 @@ def _generate(spec: TinyGlmSpec, name: str, shape: tuple[int, ...],
   step = max(1, _CHUNK_ELEMENTS // shape[-1])
   for start in range(0, rows_total, step):
     rows = slice(start, min(start + step, rows_total))
-    values = _values(seed, name, shape, rows)
-    if dtype == np.uint8:
-      flat[rows] = encode_tiny_glm_tensor(spec, name, values)[0]
+    if qtype in _KQUANT_SCALE_FIELDS:
+      flat[rows] = _random_kquant_rows(qtype, _std(name, shape), rows.stop - rows.start,
+                                       shape[-1], _rng(seed, name, rows))
+    elif dtype == np.uint8:
+      flat[rows] = encode_tiny_glm_tensor(spec, name, _values(seed, name, shape, rows))[0]
     else:
-      flat[rows] = values   # F32 or F16: a cast
+      flat[rows] = _values(seed, name, shape, rows)   # F32 or F16: a cast
   return out
 
 
