@@ -21,11 +21,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
 import tempfile
 import time
 
-import gguf
 import jax
 import numpy as np
 from absl import app, flags
@@ -37,6 +35,7 @@ from mtpjax.engine.sampling import SamplerParams
 from mtpjax.engine.scheduler import Request
 from mtpjax.models.traffic import weight_mb_per_step
 from mtpjax.package.writer import join_gguf
+from tools.llama_cpp import gguf_bytes_per_token, run_llama_bench
 # bench_decode's decode timing, and its --rounds, --dtype and --seed flags (absl flags are
 # global: this tool reads them rather than defining its own of the same names).
 from tools.bench_decode import _DTYPE, _ROUNDS, _SEED, _step_ms, _timed_run
@@ -54,54 +53,6 @@ _WEIGHTS = flags.DEFINE_string("weights", "", "mtpjax.load(weights=...) (quantiz
 
 _REPORTED_FLAGS = (_GGUF, _LLAMA_BENCH, _THREADS, _ROUNDS, _LLAMA_REPS, _DECODE_TOKENS,
                    _PREFILL_TOKENS, _DTYPE, _WEIGHTS, _SEED)
-
-
-def parse_llama_bench(text: str) -> dict[tuple[str, int], float]:
-  """`llama-bench -o json` output -> {("pp512" | "tg128", threads): mean tokens/s}."""
-  out = {}
-  for row in json.loads(text):
-    if row["n_prompt"] and not row["n_gen"]:
-      test = f"pp{row['n_prompt']}"
-    elif row["n_gen"] and not row["n_prompt"]:
-      test = f"tg{row['n_gen']}"
-    else:
-      test = f"pp{row['n_prompt']}+tg{row['n_gen']}"
-    out[(test, int(row["n_threads"]))] = float(row["avg_ts"])
-  return out
-
-
-def run_llama_bench(llama_bench: str, gguf_path: str, threads: int, prompt: int, gen: int,
-                    reps: int) -> dict[tuple[str, int], float]:
-  folder = str(pathlib.Path(llama_bench).resolve().parent)
-  env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(
-      p for p in (folder, os.environ.get("LD_LIBRARY_PATH", "")) if p))
-  done = subprocess.run([llama_bench, "-m", gguf_path, "-p", str(prompt), "-n", str(gen),
-                         "-t", str(threads), "-r", str(reps), "-o", "json"],
-                        env=env, capture_output=True, text=True, check=False)
-  if done.returncode != 0:
-    raise RuntimeError(f"llama-bench failed ({done.returncode}): {done.stderr[-2000:]}")
-  return parse_llama_bench(done.stdout)
-
-
-def gguf_bytes_per_token(path: str) -> int:
-  """GGUF tensor bytes one decoded token reads in llama.cpp with MTP off: every tensor but
-  `token_embd` and the NextN blocks, expert tensors at top-k of E."""
-  reader = gguf.GGUFReader(path)
-  arch = reader.fields["general.architecture"].contents()
-  field = lambda key, default=0: (reader.fields[f"{arch}.{key}"].contents()
-                                  if f"{arch}.{key}" in reader.fields else default)
-  trunk = field("block_count") - field("nextn_predict_layers")
-  experts, used = field("expert_count"), field("expert_used_count")
-  total = 0
-  for tensor in reader.tensors:
-    name = tensor.name
-    if name == "token_embd.weight":
-      continue
-    if name.startswith("blk.") and int(name.split(".")[1]) >= trunk:
-      continue
-    share = min(experts, used) / experts if "_exps." in name and experts else 1.0
-    total += int(tensor.n_bytes) * share
-  return int(total)
 
 
 def _load(source: str):
@@ -123,6 +74,7 @@ def _mtpjax_round(engine, decode_request: Request, prefill_request: Request) -> 
 def main(argv):
   del argv
   threads = [int(t) for t in _THREADS.value]
+  os.environ["MTPJAX_NATIVE_MTP"] = "0"   # MTP off: the NextN block is not loaded
   source = _GGUF.value or str(DEMO_PACKAGE)
   load_avg = os.getloadavg()
   with tempfile.TemporaryDirectory(prefix="bench_vs_llamacpp.") as tmp:

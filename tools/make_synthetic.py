@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
-import subprocess
 import time
 
 from absl import app, flags
@@ -27,6 +25,7 @@ from absl import app, flags
 from mtpjax.package.writer import split_gguf
 from mtpjax.testing.glm_variants import VARIANTS, with_dims
 from mtpjax.testing.synthetic_glm import tensor_shapes, write_synthetic_gguf
+from tools import llama_cpp
 
 # llama-quantize's mixes -> the one type written without it.
 _BASE_TYPE = {"Q4_K_M": "Q4_K", "Q4_K_S": "Q4_K", "Q5_K_M": "Q5_K", "Q5_K_S": "Q5_K",
@@ -47,17 +46,6 @@ _PACKAGE = flags.DEFINE_string("package", "", "also write a layer package into t
 _DIMS = flags.DEFINE_list("dims", [], "dimension overrides name=value (a smaller model of the "
                           "same shape family), e.g. hidden=256,n_experts=8,vocab_size=1024")
 _SEED = flags.DEFINE_integer("seed", 0, "weight seed")
-
-
-def _quantize(llama_quantize: str, src: pathlib.Path, dst: pathlib.Path, qtype: str,
-              threads: int) -> None:
-  folder = str(pathlib.Path(llama_quantize).resolve().parent)
-  env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(
-      p for p in (folder, os.environ.get("LD_LIBRARY_PATH", "")) if p))
-  done = subprocess.run([llama_quantize, str(src), str(dst), qtype, str(threads)], env=env,
-                        capture_output=True, text=True, check=False)
-  if done.returncode != 0:
-    raise app.UsageError(f"llama-quantize failed ({done.returncode}):\n{done.stderr[-2000:]}")
 
 
 def main(argv):
@@ -81,7 +69,7 @@ def main(argv):
     f16 = out.with_name(out.name + ".f16.tmp")
     try:
       write_synthetic_gguf(f16, variant, _LAYERS.value, tensor_type="F16", seed=_SEED.value)
-      _quantize(_LLAMA_QUANTIZE.value, f16, out, qtype, _THREADS.value)
+      llama_cpp.run(_LLAMA_QUANTIZE.value, str(f16), str(out), qtype, str(_THREADS.value))
     finally:
       f16.unlink(missing_ok=True)
     written_as = f"{qtype} (llama-quantize from F16)"

@@ -142,7 +142,7 @@ def _std(name: str, shape: tuple[int, ...]) -> float:
   if name.endswith(("token_embd.weight", "nextn.embed_tokens.weight")):
     return 1.0
   gain = 1.0
-  if name.endswith(("output.weight", "shared_head_head.weight")):
+  if name == "output.weight" or name.endswith("shared_head_head.weight"):
     gain = _HEAD_GAIN
   elif name.endswith("ffn_gate_inp.weight"):
     gain = _ROUTER_GAIN
