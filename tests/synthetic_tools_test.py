@@ -22,8 +22,9 @@ from mtpjax.package.reader import open_source
 from mtpjax.package.writer import join_gguf
 from mtpjax.testing.glm_variants import VARIANTS, with_dims
 from mtpjax.testing.synthetic_glm import REAL_LAYERS_KEY, VARIANT_KEY, write_synthetic_gguf
-from tests.fixtures import FIXTURES
 from tools import llama_cpp, weight_bytes
+
+from fixtures import FIXTURES
 
 # Small dims that keep every family's structure (MLA ranks, GQA heads, indexer, experts).
 SMALL = {"hidden": "256", "n_heads": "4", "ffn": "512", "expert_ffn": "256", "n_experts": "8",
@@ -32,7 +33,7 @@ SMALL_GQA = {"head_dim": "64", "n_kv_heads": "2", "rope_dims": "32"}
 SMALL_MLA = {"q_lora": "256", "kv_lora": "256", "qk_nope": "64", "qk_rope": "32", "v_head": "64",
              "indexer_heads": "2", "indexer_dim": "64", "index_topk": "8"}
 
-# (variant, the llama.cpp-converted fixture of its arch, its 3 trunk layers' first dense count)
+# (variant, the fixture llama.cpp's converter wrote for its arch: 3 trunk layers, 1 dense, + NextN)
 FAMILIES = (("glm-4.5", "glm4moe-tiny/glm4moe_h64-F32.gguf"),
             ("glm-4.7-flash", "glm4moelite-tiny/glm4moelite_h64-F32.gguf"),
             ("glm-5", "glmdsa-tiny/glmdsa_h64-F32.gguf"))
