@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import os
 import pathlib
 import posixpath
 import re
@@ -323,3 +324,19 @@ def split_with(write_package, src: str | pathlib.Path, out_dir: str | pathlib.Pa
     shutil.rmtree(staging, ignore_errors=True)
     raise
   return out_dir
+
+
+def join_gguf(src: str | pathlib.Path, out_path: str | pathlib.Path) -> pathlib.Path:
+  """Writes a package (or a split GGUF) back as one GGUF file, for tools that read only one
+  file (llama.cpp's llama-bench); key/values and tensor bytes are copied unchanged."""
+  out_path = pathlib.Path(out_path)
+  staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent))
+  try:
+    with open_source(src) as source:
+      whole = _Fragment("joined", out_path.name, 0, source.layer_count, embeddings=True,
+                        output=True)
+      _write_fragment(source, whole, staging)
+    os.replace(staging / out_path.name, out_path)
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)
+  return out_path

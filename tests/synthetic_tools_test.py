@@ -1,0 +1,218 @@
+"""Real-shape synthetic models and the scale tools (make_synthetic, bench_memory,
+bench_vs_llamacpp, join_gguf), at small dimensions of the same shape families.
+
+References are independent of the code under test: the tensor names and key/values of the
+fixtures llama.cpp's own converter wrote, the real gguf reader, parameter counts worked out by
+hand from the published dimensions, and a captured `llama-bench -o json` output.
+"""
+
+import inspect
+import math
+import pathlib
+import re
+import tempfile
+
+import gguf
+import numpy as np
+from absl.testing import absltest, parameterized
+
+import mtpjax
+from mtpjax.embedded import DEMO_PACKAGE
+from mtpjax.package.reader import open_source
+from mtpjax.package.writer import join_gguf
+from mtpjax.testing.glm_variants import VARIANTS, with_dims
+from mtpjax.testing.synthetic_glm import REAL_LAYERS_KEY, VARIANT_KEY, write_synthetic_gguf
+from tools import llama_cpp, weight_bytes
+
+from fixtures import FIXTURES
+
+# Small dims that keep every family's structure (MLA ranks, GQA heads, indexer, experts).
+SMALL = {"hidden": "256", "n_heads": "4", "ffn": "512", "expert_ffn": "256", "n_experts": "8",
+         "n_experts_used": "2", "vocab_size": "1024"}
+SMALL_GQA = {"head_dim": "64", "n_kv_heads": "2", "rope_dims": "32"}
+SMALL_MLA = {"q_lora": "256", "kv_lora": "256", "qk_nope": "64", "qk_rope": "32", "v_head": "64",
+             "indexer_heads": "2", "indexer_dim": "64", "index_topk": "8"}
+
+# (variant, the fixture llama.cpp's converter wrote for its arch: 3 trunk layers, 1 dense, + NextN)
+FAMILIES = (("glm-4.5", "glm4moe-tiny/glm4moe_h64-F32.gguf"),
+            ("glm-4.7-flash", "glm4moelite-tiny/glm4moelite_h64-F32.gguf"),
+            ("glm-5", "glmdsa-tiny/glmdsa_h64-F32.gguf"))
+
+
+def small(name: str, **extra: str):
+  variant = VARIANTS[name]
+  return with_dims(variant, {**SMALL, **(SMALL_MLA if variant.is_mla else SMALL_GQA),
+                             "leading_dense": "1", **extra})
+
+
+def _dense_kwargs() -> dict:
+  """weights="dense" where this build's loader has the switch (dense is the only mode before)."""
+  return {"weights": "dense"} if "weights" in inspect.signature(mtpjax.load).parameters else {}
+
+
+def _layer_roles(reader: gguf.GGUFReader) -> dict[str, set[str]]:
+  """'top' -> non-block tensor names; 'blk.N' -> that block's tensor suffixes."""
+  roles: dict[str, set[str]] = {}
+  for tensor in reader.tensors:
+    match = re.fullmatch(r"(blk\.\d+)\.(.+)", tensor.name)
+    key, suffix = (match.group(1), match.group(2)) if match else ("top", tensor.name)
+    roles.setdefault(key, set()).add(suffix)
+  return roles
+
+
+class SyntheticGgufTest(parameterized.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.tmp = pathlib.Path(tempfile.mkdtemp(prefix="synthetic_tools_test."))
+    cls.paths = {}
+    for name, _ in FAMILIES:
+      cls.paths[name] = cls.tmp / f"{name}.gguf"
+      write_synthetic_gguf(cls.paths[name], small(name), 3, tensor_type="Q4_K")
+
+  @parameterized.parameters(*FAMILIES)
+  def test_names_and_keys_match_llama_cpp_converter(self, name, fixture):
+    """Same tensor names per block and same key set as llama.cpp's converter writes."""
+    ours = gguf.GGUFReader(self.paths[name])
+    reference = gguf.GGUFReader(FIXTURES / fixture)
+    self.assertEqual(_layer_roles(ours), _layer_roles(reference))
+    synthetic_keys = {VARIANT_KEY, REAL_LAYERS_KEY}
+    self.assertEqual(set(ours.fields) - synthetic_keys, set(reference.fields))
+    arch = reference.fields["general.architecture"].contents()
+    for key in ("block_count", "nextn_predict_layers", "leading_dense_block_count",
+                "expert_gating_func"):
+      self.assertEqual(ours.fields[f"{arch}.{key}"].contents(),
+                       reference.fields[f"{arch}.{key}"].contents(), key)
+    self.assertEqual(ours.fields[REAL_LAYERS_KEY].contents(), VARIANTS[name].real_layers)
+    self.assertEqual(ours.fields[VARIANT_KEY].contents(), name)
+
+  @parameterized.parameters(*FAMILIES)
+  def test_quantized_blocks_are_finite_and_scaled(self, name, _):
+    reader = gguf.GGUFReader(self.paths[name])
+    types = set()
+    for tensor in reader.tensors:
+      values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+      self.assertTrue(np.isfinite(values).all(), tensor.name)
+      types.add(tensor.tensor_type.name)
+      if tensor.tensor_type.name != "Q4_K":
+        continue
+      if tensor.name.endswith(("token_embd.weight", "embed_tokens.weight")):
+        std = 1.0                     # unit embeddings
+      else:                           # N(0, gain^2 / fan_in); logits with std ~2
+        head = tensor.name == "output.weight" or tensor.name.endswith("shared_head_head.weight")
+        std = (2.0 if head else 1.0) / math.sqrt(int(tensor.shape[0]))
+      self.assertBetween(float(values.std()) / std, 0.7, 1.4, tensor.name)
+    self.assertIn("Q4_K", types)
+    self.assertIn("F32", types)   # norms, biases and the router stay F32 (llama.cpp's policy)
+
+  def test_loads_and_decodes(self):
+    model = mtpjax.load(str(self.paths["glm-4.7-flash"]))
+    self.assertTrue(model.has_mtp)
+    logits = model.logits(np.arange(6))
+    self.assertEqual(logits.shape, (6, 1024))
+    self.assertTrue(np.isfinite(logits).all())
+    self.assertLen(model.generate(np.arange(6), max_new_tokens=3).tokens, 3)
+
+
+class BenchMemoryTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_memory_test."))
+    path = cls.tmp / "air.gguf"
+    write_synthetic_gguf(path, small("glm-4.5-air"), 2, tensor_type="F16")
+    model = mtpjax.load(str(path), dtype="float32", **_dense_kwargs())
+    cls.report = weight_bytes.report(model, weight_bytes.measure(model), 0.15)
+
+  def test_device_bytes_per_type(self):
+    """Dense float32 on the device: F16 tensors take twice their GGUF bytes, F32 the same."""
+    per_type = self.report["per_type"]
+    self.assertEqual(set(per_type), {"F16", "F32"})
+    self.assertEqual(per_type["F16"]["device_over_gguf"], 2.0)
+    self.assertEqual(per_type["F32"]["device_over_gguf"], 1.0)
+    self.assertEqual(self.report["unmatched_device_bytes"], 0)
+    self.assertEqual(self.report["real_block_count"], 46)
+
+  def test_extrapolation_matches_hand_count(self):
+    """GLM-4.5-Air and GLM-4.7-Flash at their real depth, counted by hand from their configs:
+    in float32 each parameter takes 4 bytes on the device; in the F16 file the matrices take 2,
+    norms, biases and the router (F32 in llama.cpp's policy) 4."""
+    # GLM-4.5-Air: D 4096, 96 heads x 128, 8 KV heads, vocab 151552, dense ffn 10944,
+    # 128 experts of 1408 + 1 shared, 46 layers (1 dense) + NextN.
+    D, V, q, kv = 4096, 151552, 96 * 128, 8 * 128
+    attn_mat = q * D + 2 * kv * D + D * q
+    attn_f32 = q + 2 * kv + 2 * D                         # q/k/v biases, two norms
+    moe_mat, moe_f32 = 3 * 128 * 1408 * D + 3 * 1408 * D, 128 * D + 128
+    dense_mat = 3 * D * 10944
+    nextn_mat = 2 * D * D + V * D + attn_mat + moe_mat     # eh_proj, shared head
+    nextn_f32 = 3 * D + attn_f32 + moe_f32                 # enorm, hnorm, shared_head_norm
+    mat = 2 * V * D + nextn_mat + dense_mat + attn_mat + 45 * (attn_mat + moe_mat)
+    f32 = D + nextn_f32 + 46 * attn_f32 + 45 * moe_f32
+    air = self.report["extrapolated"]["glm-4.5-air"]
+    self.assertAlmostEqual(air["device_gb"], 4 * (mat + f32) / 1e9, places=6)
+    self.assertAlmostEqual(air["gguf_gb"], (2 * mat + 4 * f32) / 1e9, places=6)
+    self.assertEqual(air["fits"], {"h200": False, "tpu_v5e_8": False, "tpu_v6e_8": False})
+
+    # GLM-4.7-Flash: D 2048, 20 heads, MLA q_lora 768, kv_lora 512, nope 192, rope 64, v 256,
+    # vocab 154880, dense ffn 10240, 64 experts of 1536 + 1 shared, 47 layers (1 dense) + NextN
+    # (with its own embedding, no shared head).
+    D, V, H = 2048, 154880, 20
+    attn = (768 * D + 768 + H * 256 * 768 + (512 + 64) * D + 512 + H * 512 * 192
+            + H * 256 * 512 + D * H * 256 + 2 * D)          # + attn_norm, ffn_norm
+    moe = 3 * 64 * 1536 * D + 64 * D + 64 + 3 * 1536 * D
+    params = (2 * V * D + D + (attn + 3 * D * 10240) + 46 * (attn + moe)
+              + (2 * D * D + V * D + 3 * D + attn + moe))
+    flash = self.report["extrapolated"]["glm-4.7-flash"]
+    self.assertAlmostEqual(flash["device_gb"], 4 * params / 1e9, places=6)
+    # ~125 GB: over 85% of an H200 (119.85 GB) and of a v5e-8 (108.8), under a v6e-8's (217.6).
+    self.assertEqual(flash["fits"], {"h200": False, "tpu_v5e_8": False, "tpu_v6e_8": True})
+
+
+# Captured from `llama-bench -m demo.gguf -p 512 -n 128 -t 1 -r 2 -o json` (llama.cpp 0c1e570,
+# the demo package joined into one Q8_0 GGUF); fields the parser ignores are left out.
+_LLAMA_BENCH_SAMPLE = """[
+  {"build_commit": "0c1e570", "model_type": "glm4moe ?B Q8_0", "model_size": 7856256,
+   "n_threads": 1, "n_prompt": 512, "n_gen": 0, "n_depth": 0, "avg_ns": 145820659,
+   "stddev_ns": 5067909, "avg_ts": 3513.284089, "stddev_ts": 122.102074,
+   "samples_ns": [ 142237106, 149404212 ], "samples_ts": [ 3599.62, 3426.94 ]},
+  {"build_commit": "0c1e570", "model_type": "glm4moe ?B Q8_0", "model_size": 7856256,
+   "n_threads": 1, "n_prompt": 0, "n_gen": 128, "n_depth": 0, "avg_ns": 88781805,
+   "stddev_ns": 10494813, "avg_ts": 1451.880693, "stddev_ts": 171.625453,
+   "samples_ns": [ 96202759, 81360851 ], "samples_ts": [ 1330.52, 1573.24 ]}
+]"""
+
+
+class BenchVsLlamaCppTest(absltest.TestCase):
+
+  def test_parses_llama_bench_json(self):
+    self.assertEqual(llama_cpp.parse_llama_bench(_LLAMA_BENCH_SAMPLE),
+                     {("pp512", 1): 3513.284089, ("tg128", 1): 1451.880693})
+
+  def test_gguf_bytes_per_token_by_hand(self):
+    """glm4moe-tiny F32 (hidden 64, 4/2 heads x 32, 3 layers: 1 dense (ffn 128) + 2 MoE with
+    8 experts of 32, top-2, 1 shared; vocab 512): a token reads the head, the final norm and
+    the trunk with 2 of 8 experts; not token_embd, not the NextN block."""
+    attn = 64 + 128 * 64 + 128 + 2 * (64 * 64 + 64) + 64 * 128 + 2 * 32 + 64
+    moe = 3 * 8 * 32 * 64 * 2 // 8 + 8 * 64 + 8 + 3 * 32 * 64
+    elements = 512 * 64 + 64 + 3 * attn + 3 * 64 * 128 + 2 * moe
+    self.assertEqual(llama_cpp.gguf_bytes_per_token(
+        str(FIXTURES / "glm4moe-tiny/glm4moe_h64-F32.gguf")), 4 * elements)
+
+
+class JoinGgufTest(absltest.TestCase):
+
+  def test_demo_package_joins_into_one_gguf(self):
+    with tempfile.TemporaryDirectory() as tmp:
+      joined = join_gguf(DEMO_PACKAGE, pathlib.Path(tmp) / "demo.gguf")
+      reader = gguf.GGUFReader(joined)
+      with open_source(DEMO_PACKAGE) as package:
+        self.assertEqual({t.name for t in reader.tensors}, set(package.tensors))
+        for tensor in reader.tensors:
+          self.assertEqual(tensor.data.tobytes(), package.raw(tensor.name).tobytes(), tensor.name)
+        self.assertEqual(reader.fields["general.architecture"].contents(), package.arch)
+
+
+if __name__ == "__main__":
+  absltest.main()

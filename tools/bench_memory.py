@@ -1,0 +1,50 @@
+"""Weight memory: parameter bytes on the device / GGUF tensor bytes, and full-model sizes.
+
+Loads a model (a synthetic one from tools/make_synthetic.py, or any GGUF/package), measures per
+GGUF tensor type the bytes of the source tensors and of the parameter arrays loaded from them
+(each state leaf under a tensor's target paths, models/glm_names.py), then sizes every named
+variant (mtpjax/testing/glm_variants.py) at its real depth: shared parts (embeddings, head, final
+norm, NextN block) + per-layer bytes x layers (first-k dense layers and MoE layers apart), with
+the GGUF and device bytes per element of each tensor role measured on the loaded model (a role
+the model lacks, e.g. GQA projections when an MLA model was measured, takes the mean of its
+quantized tensors). One JSON line.
+
+A configuration fits when the weights take at most (1 - --headroom) of its memory; the rest is
+left for the KV cache, activations and the runtime. TPU slices are counted as their total HBM,
+assuming the weights are sharded evenly over the chips.
+
+  python -m tools.bench_memory --source=/tmp/flash4.gguf --dtype=bfloat16
+"""
+
+from __future__ import annotations
+
+import json
+
+from absl import app, flags
+
+import mtpjax
+from tools import weight_bytes
+
+_SOURCE = flags.DEFINE_string("source", None, "GGUF or layer package to load", required=True)
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "mtpjax dtype")
+_WEIGHTS = flags.DEFINE_string("weights", "", "mtpjax.load(weights=...) (quantized | dense); "
+                               "empty: the loader's default")
+_HEADROOM = flags.DEFINE_float("headroom", 0.15, "share of a target's memory kept for the KV "
+                               "cache, activations and the runtime")
+
+
+def main(argv):
+  del argv
+  if not 0 <= _HEADROOM.value < 1:
+    raise app.UsageError(f"--headroom must be in [0, 1), got {_HEADROOM.value}")
+  kwargs = {"dtype": _DTYPE.value}
+  if _WEIGHTS.value:
+    kwargs["weights"] = _WEIGHTS.value
+  model = mtpjax.load(_SOURCE.value, **kwargs)
+  line = {"flags": {f.name: f.value for f in (_SOURCE, _DTYPE, _WEIGHTS, _HEADROOM)},
+          **weight_bytes.report(model, weight_bytes.measure(model), _HEADROOM.value)}
+  print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)

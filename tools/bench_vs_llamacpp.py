@@ -1,0 +1,140 @@
+"""mtpjax against llama.cpp on one GGUF: decode and a 512-token prefill, one JSON line.
+
+Each round runs llama.cpp's `llama-bench` (`tg128` and `pp512`, at each --threads value) and
+then mtpjax (MTP off, batch 1: the mean decode step over --decode_tokens tokens, and one
+prefill of a --prefill_tokens bucket), so that drift of this shared machine hits both sides
+alike. mtpjax runs on XLA's CPU client with its default threads (every core).
+
+Reported beside the ratios: the weight bytes each side reads per decoded token. mtpjax: the
+parameter bytes of a plain decode step (`models/traffic.py`: routed experts counted at top-k of
+E, the embedding table not counted, the NextN block not loaded). llama.cpp: the GGUF tensor
+bytes of the same tensors (the active experts only: top-k of E of each expert tensor; no
+`token_embd`, which is gathered by row; no NextN block, which `llama-bench` does not run).
+
+  python -m tools.bench_vs_llamacpp --llama_bench=/tmp/llama.cpp-0c1e570/llama-bench
+      # the shipped demo package, joined into one GGUF for llama-bench
+  python -m tools.bench_vs_llamacpp --gguf=/tmp/flash4.gguf --llama_bench=... --dtype=bfloat16
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import tempfile
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+
+import mtpjax
+from mtpjax.embedded import DEMO_PACKAGE
+from mtpjax.engine.contract import pow2_bucket, warm_up
+from mtpjax.engine.sampling import SamplerParams
+from mtpjax.engine.scheduler import Request
+from mtpjax.models.traffic import weight_mb_per_step
+from mtpjax.package.writer import join_gguf
+from tools.llama_cpp import gguf_bytes_per_token, run_llama_bench
+# bench_decode's decode timing, and its --rounds, --dtype and --seed flags (absl flags are
+# global: this tool reads them rather than defining its own of the same names).
+from tools.bench_decode import _DTYPE, _ROUNDS, _SEED, _step_ms, _timed_run
+
+_GGUF = flags.DEFINE_string("gguf", "", "GGUF file or layer package (joined into one GGUF for "
+                            "llama-bench); empty: the shipped demo package")
+_LLAMA_BENCH = flags.DEFINE_string("llama_bench", None, "path of llama.cpp's llama-bench (its "
+                                   "folder goes on LD_LIBRARY_PATH)", required=True)
+_THREADS = flags.DEFINE_list("threads", ["1", "2"], "llama.cpp thread counts")
+_LLAMA_REPS = flags.DEFINE_integer("llama_reps", 2, "llama-bench -r per round")
+_DECODE_TOKENS = flags.DEFINE_integer("decode_tokens", 128, "tokens decoded (llama.cpp tg128)")
+_PREFILL_TOKENS = flags.DEFINE_integer("prefill_tokens", 512, "prefill bucket (llama.cpp pp512)")
+_WEIGHTS = flags.DEFINE_string("weights", "", "mtpjax.load(weights=...) (quantized | dense); "
+                               "empty: the loader's default")
+
+_REPORTED_FLAGS = (_GGUF, _LLAMA_BENCH, _THREADS, _ROUNDS, _LLAMA_REPS, _DECODE_TOKENS,
+                   _PREFILL_TOKENS, _DTYPE, _WEIGHTS, _SEED)
+
+
+def _load(source: str):
+  kwargs = {"dtype": _DTYPE.value}
+  if _WEIGHTS.value:
+    kwargs["weights"] = _WEIGHTS.value
+  return mtpjax.load(source, **kwargs)
+
+
+def _mtpjax_round(engine, decode_request: Request, prefill_request: Request) -> tuple[float, float]:
+  """(decode tokens/s, prefill tokens/s) of one round."""
+  results, _ = _timed_run(engine, [decode_request], None)
+  decode = 1e3 / _step_ms(results)
+  results, _ = _timed_run(engine, [prefill_request], None)
+  prefill = prefill_request.prompt.size / results[0].time_to_first_token_s
+  return decode, prefill
+
+
+def main(argv):
+  del argv
+  threads = [int(t) for t in _THREADS.value]
+  os.environ["MTPJAX_NATIVE_MTP"] = "0"   # MTP off: the NextN block is not loaded
+  source = _GGUF.value or str(DEMO_PACKAGE)
+  load_avg = os.getloadavg()
+  with tempfile.TemporaryDirectory(prefix="bench_vs_llamacpp.") as tmp:
+    gguf_path = source
+    if pathlib.Path(source).is_dir():
+      gguf_path = str(join_gguf(source, pathlib.Path(tmp) / "joined.gguf"))
+    start = time.perf_counter()
+    model = _load(source)
+    rng = np.random.default_rng(_SEED.value)
+    vocab = model.config.vocab_size
+    # The prefill bucket computes prompt + 1 rows (the first sampled token's row).
+    prefill_prompt = rng.integers(0, vocab, _PREFILL_TOKENS.value - 1).astype(np.int32)
+    decode_prompt = rng.integers(0, vocab, 8).astype(np.int32)
+    greedy = SamplerParams(0.0, 0, 1.0, seed=_SEED.value)
+    engine = model.engine(native_mtp=False, slots=1,
+                          max_len=max(_PREFILL_TOKENS.value, 8 + _DECODE_TOKENS.value + 1),
+                          prefill_buckets=(pow2_bucket(9), _PREFILL_TOKENS.value))
+    warm_up(engine)
+    load_s = time.perf_counter() - start
+    decode_request = Request(prompt=decode_prompt, max_new_tokens=_DECODE_TOKENS.value + 1,
+                             sampler=greedy)
+    prefill_request = Request(prompt=prefill_prompt, max_new_tokens=1, sampler=greedy)
+    _mtpjax_round(engine, decode_request, prefill_request)   # untimed: device caches
+    llama: dict[tuple[str, int], list[float]] = {}
+    ours: dict[str, list[float]] = {"decode": [], "prefill": []}
+    for _ in range(_ROUNDS.value):
+      for t in threads:
+        for key, rate in run_llama_bench(_LLAMA_BENCH.value, gguf_path, t,
+                                         _PREFILL_TOKENS.value, _DECODE_TOKENS.value,
+                                         _LLAMA_REPS.value).items():
+          llama.setdefault(key, []).append(rate)
+      decode, prefill = _mtpjax_round(engine, decode_request, prefill_request)
+      ours["decode"].append(decode)
+      ours["prefill"].append(prefill)
+    llama_bytes = gguf_bytes_per_token(gguf_path)
+
+  mean = lambda xs: float(np.mean(xs))
+  tg, pp = f"tg{_DECODE_TOKENS.value}", f"pp{_PREFILL_TOKENS.value}"
+  llama_rates = {f"{test}_t{t}": mean(v) for (test, t), v in sorted(llama.items())}
+  decode, prefill = mean(ours["decode"]), mean(ours["prefill"])
+  mtpjax_mb = weight_mb_per_step(model.weights(with_mtp=False)[1], model.config, 1)["plain"]
+  device = jax.devices()[0]
+  print(json.dumps({
+      "flags": {flag.name: flag.value for flag in _REPORTED_FLAGS},
+      "source": source, "gguf": gguf_path if gguf_path == source else "(joined from source)",
+      "device": f"{device.platform}:{device.device_kind}", "cpu_count": os.cpu_count(),
+      "load_avg_at_start": [round(x, 2) for x in load_avg],
+      "llama_cpp_tok_s": llama_rates,
+      "mtpjax_tok_s": {"decode": decode, "prefill": prefill,
+                       "prefill_prompt_tokens": int(prefill_prompt.size)},
+      "ratios": {**{f"decode_vs_{tg}_t{t}": decode / llama_rates[f"{tg}_t{t}"] for t in threads},
+                 **{f"prefill_vs_{pp}_t{t}": prefill / llama_rates[f"{pp}_t{t}"]
+                    for t in threads}},
+      "weight_mb_per_token": {
+          "mtpjax": mtpjax_mb, "llama_cpp": llama_bytes / 1e6,
+          "note": "MoE: active experts only (top-k of E) on both sides; embeddings and the "
+                  "NextN block not counted"},
+      "mtpjax_rounds": ours, "load_s": load_s,
+  }), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,65 @@
+"""llama.cpp's programs as the scale benchmarks use them: run one, read `llama-bench` output,
+and the GGUF bytes a llama.cpp decode step reads. No flags, so tests import it."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+
+import gguf
+
+
+def parse_llama_bench(text: str) -> dict[tuple[str, int], float]:
+  """`llama-bench -o json` output -> {("pp512" | "tg128", threads): mean tokens/s}."""
+  out = {}
+  for row in json.loads(text):
+    if row["n_prompt"] and not row["n_gen"]:
+      test = f"pp{row['n_prompt']}"
+    elif row["n_gen"] and not row["n_prompt"]:
+      test = f"tg{row['n_gen']}"
+    else:
+      test = f"pp{row['n_prompt']}+tg{row['n_gen']}"
+    out[(test, int(row["n_threads"]))] = float(row["avg_ts"])
+  return out
+
+
+def run(binary: str, *args: str) -> str:
+  """Runs a llama.cpp program with its folder on LD_LIBRARY_PATH; returns its stdout."""
+  folder = str(pathlib.Path(binary).resolve().parent)
+  env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(
+      p for p in (folder, os.environ.get("LD_LIBRARY_PATH", "")) if p))
+  done = subprocess.run([binary, *args], env=env, capture_output=True, text=True, check=False)
+  if done.returncode != 0:
+    raise RuntimeError(f"{pathlib.Path(binary).name} failed ({done.returncode}):\n"
+                       f"{done.stderr[-2000:]}")
+  return done.stdout
+
+
+def run_llama_bench(llama_bench: str, gguf_path: str, threads: int, prompt: int, gen: int,
+                    reps: int) -> dict[tuple[str, int], float]:
+  """`llama-bench` pp{prompt} and tg{gen} at `threads` threads: {(test, threads): tokens/s}."""
+  return parse_llama_bench(run(llama_bench, "-m", gguf_path, "-p", str(prompt), "-n", str(gen),
+                               "-t", str(threads), "-r", str(reps), "-o", "json"))
+
+
+def gguf_bytes_per_token(path: str) -> int:
+  """GGUF tensor bytes one decoded token reads in llama.cpp with MTP off: every tensor but
+  `token_embd` and the NextN blocks, expert tensors at top-k of E."""
+  reader = gguf.GGUFReader(path)
+  arch = reader.fields["general.architecture"].contents()
+  field = lambda key, default=0: (reader.fields[f"{arch}.{key}"].contents()
+                                  if f"{arch}.{key}" in reader.fields else default)
+  trunk = field("block_count") - field("nextn_predict_layers")
+  experts, used = field("expert_count"), field("expert_used_count")
+  total = 0
+  for tensor in reader.tensors:
+    name = tensor.name
+    if name == "token_embd.weight":
+      continue
+    if name.startswith("blk.") and int(name.split(".")[1]) >= trunk:
+      continue
+    share = min(experts, used) / experts if "_exps." in name and experts else 1.0
+    total += int(tensor.n_bytes) * share
+  return int(total)
