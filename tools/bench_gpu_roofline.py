@@ -3,21 +3,19 @@
 Made to run unattended in one call on an accelerator host: without --source it writes its own
 synthetic model (tools/make_synthetic.py's library: a named variant's real dimensions, --layers
 trunk layers + NextN, random valid --type blocks; no llama.cpp needed), loads it once per
---weights mode, and alternates the measured rounds between the modes. A decode step at batch 1
+--weight_modes mode, and alternates the measured rounds between the modes. A decode step at batch 1
 (MTP off) reads every weight it multiplies by once, so its time is bounded below by
 weight bytes / HBM bandwidth: `fraction_of_roofline` = (bytes per step / step time) / --hbm_gb_s.
 
   python -m tools.bench_gpu_roofline --dtype=bfloat16     # H200: 4.8 TB/s HBM3e
-  python -m tools.bench_gpu_roofline --source=/data/flash4.gguf --weights=quantized,dense
+  python -m tools.bench_gpu_roofline --source=/data/flash4.gguf --weight_modes=quantized,dense
 
 Weight bytes per step are `models/traffic.py`'s (routed experts at top-k of E, embeddings not
-counted). A build whose `mtpjax.load` has no `weights` switch measures "dense" only (the loader's
-dense default) and reports the other modes as unsupported.
+counted).
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import pathlib
@@ -45,16 +43,10 @@ _LAYERS = flags.DEFINE_integer("layers", 4, "synthetic model's trunk layers (wit
 _TYPE = flags.DEFINE_string("type", "Q4_K", "synthetic model's tensor type (without --source)")
 _DIMS = flags.DEFINE_list("dims", [], "synthetic model's dimension overrides name=value (a "
                           "smaller model of the same shape family, e.g. for a CPU dry run)")
-_WEIGHTS = flags.DEFINE_list("weights", ["quantized", "dense"], "mtpjax.load weights modes")
+_WEIGHT_MODES = flags.DEFINE_list("weight_modes", ["quantized", "dense"],
+                                  "mtpjax.load(weights=...) modes, alternated")
 _DECODE_TOKENS = flags.DEFINE_integer("decode_tokens", 128, "tokens decoded per round")
 _HBM_GB_S = flags.DEFINE_float("hbm_gb_s", 4800.0, "peak memory bandwidth, GB/s (H200: 4800)")
-
-
-def _load(path: str, mode: str):
-  """The model in `mode`, or None when this build's loader has no `weights` switch."""
-  if "weights" in inspect.signature(mtpjax.load).parameters:
-    return mtpjax.load(path, dtype=_DTYPE.value, weights=mode)
-  return mtpjax.load(path, dtype=_DTYPE.value) if mode == "dense" else None
 
 
 def main(argv):
@@ -71,25 +63,22 @@ def main(argv):
                            tensor_type=_TYPE.value, seed=_SEED.value)
       made_s = time.perf_counter() - start
     models, load_s = {}, {}
-    for mode in _WEIGHTS.value:
+    for mode in _WEIGHT_MODES.value:
       start = time.perf_counter()
-      models[mode] = _load(path, mode)
+      models[mode] = mtpjax.load(path, dtype=_DTYPE.value, weights=mode)
       load_s[mode] = time.perf_counter() - start
-    live = {mode: m for mode, m in models.items() if m is not None}
-    if not live:
-      raise app.UsageError(f"no --weights mode this build supports among {_WEIGHTS.value}")
     prompt = np.random.default_rng(_SEED.value).integers(
-        0, next(iter(live.values())).config.vocab_size, 8).astype(np.int32)
+        0, next(iter(models.values())).config.vocab_size, 8).astype(np.int32)
     request = Request(prompt=prompt, max_new_tokens=_DECODE_TOKENS.value + 1,
                       sampler=SamplerParams(0.0, 0, 1.0, seed=_SEED.value))
     engines = {}
-    for mode, model in live.items():
+    for mode, model in models.items():
       engines[mode] = model.engine(native_mtp=False, slots=1,
                                    max_len=prompt.size + _DECODE_TOKENS.value + 2,
                                    prefill_buckets=(pow2_bucket(prompt.size + 1),))
       warm_up(engines[mode])
       _timed_run(engines[mode], [request], None)   # untimed: device caches
-    steps: dict[str, list[float]] = {mode: [] for mode in live}
+    steps: dict[str, list[float]] = {mode: [] for mode in models}
     tokens = {}
     for _ in range(_ROUNDS.value):
       for mode, engine in engines.items():
@@ -99,11 +88,7 @@ def main(argv):
 
   device = jax.devices()[0]
   per_mode = {}
-  for mode in _WEIGHTS.value:
-    if mode not in live:
-      per_mode[mode] = {"unsupported": "mtpjax.load has no weights= switch in this build"}
-      continue
-    model = live[mode]
+  for mode, model in models.items():
     step_ms = float(np.median(steps[mode]))
     mb = weight_mb_per_step(model.weights(with_mtp=False)[1], model.config, 1)["plain"]
     achieved = mb / 1e3 / (step_ms / 1e3)            # GB/s
@@ -113,14 +98,14 @@ def main(argv):
         "fraction_of_roofline": achieved / _HBM_GB_S.value,
         "roofline_tokens_per_s": _HBM_GB_S.value * 1e3 / mb, "load_s": load_s[mode]}
   line = {
-      "flags": {f.name: f.value for f in (_SOURCE, _VARIANT, _LAYERS, _TYPE, _DIMS, _WEIGHTS,
+      "flags": {f.name: f.value for f in (_SOURCE, _VARIANT, _LAYERS, _TYPE, _DIMS, _WEIGHT_MODES,
                                           _DTYPE,
                                           _DECODE_TOKENS, _ROUNDS, _HBM_GB_S, _SEED)},
       "device": f"{device.platform}:{device.device_kind}", "synthetic_write_s": made_s,
       "modes": per_mode,
       "same_tokens": len({tuple(t) for t in tokens.values()}) == 1,
   }
-  if {"quantized", "dense"} <= live.keys():
+  if {"quantized", "dense"} <= models.keys():
     line["quantized_over_dense_speed"] = (per_mode["quantized"]["tokens_per_s"]
                                           / per_mode["dense"]["tokens_per_s"])
   print(json.dumps(line), flush=True)

@@ -27,8 +27,8 @@ from tools import weight_bytes
 
 _SOURCE = flags.DEFINE_string("source", None, "GGUF or layer package to load", required=True)
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "mtpjax dtype")
-_WEIGHTS = flags.DEFINE_string("weights", "", "mtpjax.load(weights=...) (quantized | dense); "
-                               "empty: the loader's default")
+_WEIGHTS = flags.DEFINE_enum("weights", "quantized", ["quantized", "dense"],
+                             "mtpjax.load(weights=...)")
 _HEADROOM = flags.DEFINE_float("headroom", 0.15, "share of a target's memory kept for the KV "
                                "cache, activations and the runtime")
 
@@ -37,10 +37,7 @@ def main(argv):
   del argv
   if not 0 <= _HEADROOM.value < 1:
     raise app.UsageError(f"--headroom must be in [0, 1), got {_HEADROOM.value}")
-  kwargs = {"dtype": _DTYPE.value}
-  if _WEIGHTS.value:
-    kwargs["weights"] = _WEIGHTS.value
-  model = mtpjax.load(_SOURCE.value, **kwargs)
+  model = mtpjax.load(_SOURCE.value, dtype=_DTYPE.value, weights=_WEIGHTS.value)
   line = {"flags": {f.name: f.value for f in (_SOURCE, _DTYPE, _WEIGHTS, _HEADROOM)},
           **weight_bytes.report(model, weight_bytes.measure(model), _HEADROOM.value)}
   print(json.dumps(line), flush=True)

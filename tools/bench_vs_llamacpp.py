@@ -36,9 +36,9 @@ from mtpjax.engine.scheduler import Request
 from mtpjax.models.traffic import weight_mb_per_step
 from mtpjax.package.writer import join_gguf
 from tools.llama_cpp import gguf_bytes_per_token, run_llama_bench
-# bench_decode's decode timing, and its --rounds, --dtype and --seed flags (absl flags are
-# global: this tool reads them rather than defining its own of the same names).
-from tools.bench_decode import _DTYPE, _ROUNDS, _SEED, _step_ms, _timed_run
+# bench_decode's decode timing, and its --rounds, --dtype, --weights and --seed flags (absl
+# flags are global: this tool reads them rather than defining its own of the same names).
+from tools.bench_decode import _DTYPE, _ROUNDS, _SEED, _WEIGHTS, _step_ms, _timed_run
 
 _GGUF = flags.DEFINE_string("gguf", "", "GGUF file or layer package (joined into one GGUF for "
                             "llama-bench); empty: the shipped demo package")
@@ -48,18 +48,13 @@ _THREADS = flags.DEFINE_list("threads", ["1", "2"], "llama.cpp thread counts")
 _LLAMA_REPS = flags.DEFINE_integer("llama_reps", 2, "llama-bench -r per round")
 _DECODE_TOKENS = flags.DEFINE_integer("decode_tokens", 128, "tokens decoded (llama.cpp tg128)")
 _PREFILL_TOKENS = flags.DEFINE_integer("prefill_tokens", 512, "prefill bucket (llama.cpp pp512)")
-_WEIGHTS = flags.DEFINE_string("weights", "", "mtpjax.load(weights=...) (quantized | dense); "
-                               "empty: the loader's default")
 
 _REPORTED_FLAGS = (_GGUF, _LLAMA_BENCH, _THREADS, _ROUNDS, _LLAMA_REPS, _DECODE_TOKENS,
                    _PREFILL_TOKENS, _DTYPE, _WEIGHTS, _SEED)
 
 
 def _load(source: str):
-  kwargs = {"dtype": _DTYPE.value}
-  if _WEIGHTS.value:
-    kwargs["weights"] = _WEIGHTS.value
-  return mtpjax.load(source, **kwargs)
+  return mtpjax.load(source, dtype=_DTYPE.value, weights=_WEIGHTS.value)
 
 
 def _mtpjax_round(engine, decode_request: Request, prefill_request: Request) -> tuple[float, float]:
