@@ -40,9 +40,34 @@ def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array,
   if pad:
     rows = jnp.pad(rows, [(0, pad)] + [(0, 0)] * (rows.ndim - 1))
     start = jnp.pad(start, (0, pad))
+  axis = seq_axis - 1
+  count = rows.shape[seq_axis]
   def one(c, r, s):
-    return jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), s, axis=seq_axis - 1)
+    r = r.astype(c.dtype)
+    if count >= PREFILL_ROWS:
+      r, s = _clipped_at_end(c, r, s, axis)
+    return jax.lax.dynamic_update_slice_in_dim(c, r, s, axis=axis)
   return jax.vmap(one)(cache, rows, start)
+
+
+# Writes of at least this many rows are prefill chunks (the smallest bucket is 16 rows), whose
+# padded tail may run past the cache end; a step's few rows never do (a sequence ends first).
+PREFILL_ROWS = 16
+
+
+def _clipped_at_end(cache: jax.Array, rows: jax.Array, start: jax.Array, axis: int):
+  """(rows, start) that write rows[i] at start + i while that is inside the cache and drop the
+  rest. dynamic_update_slice would instead move the whole write back to fit, over valid rows:
+  here the write moves back by the overflow d, its first d rows keep the cache's own rows and
+  the others are `rows` shifted by d."""
+  length, count = cache.shape[axis], rows.shape[axis]
+  fitted = jnp.clip(start, 0, length - count)
+  overflow = start - fitted
+  kept = jax.lax.dynamic_slice_in_dim(cache, fitted, count, axis=axis)
+  index = jnp.arange(count) - overflow
+  shifted = jnp.take(rows, jnp.clip(index, 0, count - 1), axis=axis)
+  mask = (index >= 0).reshape((1,) * axis + (count,) + (1,) * (rows.ndim - axis - 1))
+  return jnp.where(mask, shifted, kept), fitted
 
 
 def live_slots(cache: jax.Array, batch: int) -> jax.Array:

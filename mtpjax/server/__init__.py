@@ -33,13 +33,14 @@ __all__ = ["Service", "build_service", "create_app", "serve"]
 
 
 def _max_prompt_tokens(max_len: int, buckets: tuple[int, ...]) -> int:
-  """The longest prompt the engine accepts: a bucket must hold it plus one row (DECODE.md §2)."""
+  """The longest prompt the engine accepts: one short of the context, prefilled in chunks of
+  the largest bucket that fits the cache."""
   usable = [b for b in buckets if b <= max_len + 2]
   if not usable:
     raise errors.MtpjaxError(
         f"no prefill bucket in {buckets} fits engine.max_len {max_len}",
         field="engine.prefill_buckets", remedy="add a bucket no larger than engine.max_len + 2")
-  return min(max_len - 1, max(usable) - 1)
+  return max_len - 1
 
 
 def _warm_up(scheduler: SlotScheduler) -> float:
