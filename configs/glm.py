@@ -97,6 +97,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   config.distributed.process_id = config_dict.placeholder(int)
 
   config.cache_dir = config_dict.placeholder(str)
+  # JAX's persistent compilation cache under <cache_dir>/mtpjax/jax-compilation: a second
+  # start of the same config reuses the compiled steps (mtpjax/warm_start.py).
+  config.compilation_cache = True
 
   if variant in _REAL_VARIANTS:
     config.model.arch, config.server.model_name = _REAL_VARIANTS[variant]

@@ -16,7 +16,7 @@ import uvicorn
 from absl import logging
 
 import mtpjax
-from mtpjax import distributed, embedded, errors, speculative
+from mtpjax import distributed, embedded, errors, speculative, warm_start
 from mtpjax.engine.contract import warm_up
 from mtpjax.engine.sampling import MAX_TOP_LOGPROBS
 from mtpjax.engine.scheduler import AdaptiveDrafting, SlotScheduler
@@ -75,6 +75,9 @@ def build_service(config) -> Service:
                              field="engine.logprobs",
                              remedy=f"choose 0 (no logprobs) to {MAX_TOP_LOGPROBS}")
   source = embedded.resolve_source(config)
+  cache = warm_start.enable_compilation_cache(config)
+  if cache is not None:
+    logging.info("compilation cache: %s", cache)
   started = time.perf_counter()
   model = mtpjax.load(source, dtype=config.model.dtype, config=config)
   resolution = model.resolution

@@ -1,0 +1,103 @@
+"""Long-context benchmark: one JSON line per measurement, side by side in one run.
+
+  python -m tools.bench_context --modes=start          # server launch to ready, 1st vs 2nd
+  python -m tools.bench_context --modes=stall          # a long prompt's stall of a live stream
+
+`start`: launches `python -m mtpjax.serve --config=configs/glm.py` twice on one fresh cache
+directory: the first start compiles everything, the second loads the compiled steps from the
+persistent compilation cache (`warm_start.py`).
+`stall`: a stream decodes while a prompt of --long_prompt tokens arrives; reports the longest
+gap between the stream's tokens with the long prompt's chunks interleaved with decode steps,
+and with its whole prefill run at once.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+from absl import app, flags
+
+from tools.bench_serve import READY
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+_MODES = flags.DEFINE_list("modes", ["start", "stall"], "measurements to run")
+_SERVE_FLAGS = flags.DEFINE_list("serve_flags", [], "extra flags for the servers (start)")
+_LONG_PROMPT = flags.DEFINE_integer("long_prompt", 2000, "tokens of the long prompt (stall)")
+_MAX_LEN = flags.DEFINE_integer("max_len", 4096, "engine context length (stall)")
+
+
+def launch_to_ready(cache_dir: str) -> float:
+  """Seconds from launching a server to its ready line."""
+  log_path = pathlib.Path(cache_dir) / f"server-{time.time_ns()}.log"
+  launched = time.perf_counter()
+  with open(log_path, "wb") as log:
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mtpjax.serve", "--config=configs/glm.py",
+         f"--config.cache_dir={cache_dir}", "--config.server.port=0", *_SERVE_FLAGS.value],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+  try:
+    while not READY.search(log_path.read_text(errors="replace")):
+      if server.poll() is not None:
+        raise SystemExit(log_path.read_text(errors="replace"))
+      time.sleep(0.05)
+    return time.perf_counter() - launched
+  finally:
+    server.terminate()
+    server.wait(30)
+
+
+def measure_start() -> dict:
+  with tempfile.TemporaryDirectory(prefix="mtpjax-bench-context-") as cache_dir:
+    first = launch_to_ready(cache_dir)
+    second = launch_to_ready(cache_dir)
+  return {"mode": "start", "flags": _SERVE_FLAGS.value, "first_start_s": round(first, 2),
+          "second_start_s": round(second, 2), "second_over_first": round(second / first, 3)}
+
+
+def measure_stall() -> dict:
+  """The live stream's longest gap between tokens while the long prompt is prefilled."""
+  import mtpjax
+  from mtpjax import embedded
+  from mtpjax.engine.contract import warm_up
+  from mtpjax.engine.scheduler import Request, SlotScheduler
+  model = mtpjax.load(embedded.DEMO_PACKAGE)
+  engine = model.engine(native_mtp=False, slots=2, max_len=_MAX_LEN.value,
+                        prefill_buckets=(16, 32, 64, 128, 256))
+  warm_up(engine)
+  rng = np.random.default_rng(0)
+  vocab = model.config.vocab_size
+  short = rng.integers(0, vocab, size=8).astype(np.int32)
+  long = rng.integers(0, vocab, size=_LONG_PROMPT.value).astype(np.int32)
+  out = {"mode": "stall", "long_prompt_tokens": _LONG_PROMPT.value,
+         "chunks": len(engine.engine_cfg.prefill_chunks(long)[1])}
+  for interleave in (True, False, True, False):
+    stamps = []
+    requests = [Request(prompt=short, max_new_tokens=64,
+                        on_tokens=lambda t: stamps.append(time.perf_counter())),
+                Request(prompt=long, max_new_tokens=4)]
+    started = time.perf_counter()
+    results = SlotScheduler(engine, interleave_prefill=interleave).run(requests)
+    gap = float(np.max(np.diff(stamps)))
+    key = "interleaved" if interleave else "whole_prefill"
+    out[f"{key}_max_gap_s"] = round(min(gap, out.get(f"{key}_max_gap_s", gap)), 4)
+    out[f"{key}_long_ttft_s"] = round(results[1].time_to_first_token_s, 3)
+    out[f"{key}_total_s"] = round(time.perf_counter() - started, 3)
+  return out
+
+
+def main(argv):
+  del argv
+  for mode in _MODES.value:
+    result = {"start": measure_start, "stall": measure_stall}[mode]()
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
