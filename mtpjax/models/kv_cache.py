@@ -15,6 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mtpjax.models import blockwise
+
 
 def gqa_cache_shapes(batch: int, kv_heads: int, head_dim: int, value_dim: int,
                      length: int) -> tuple[tuple, tuple]:
@@ -113,16 +115,18 @@ def attention(cache: tuple[jax.Array, jax.Array], q: jax.Array, k: jax.Array, v:
   v_cache = write_head_rows(v_cache, v.transpose(0, 2, 3, 1), start, seq_axis=3)
   b, t, h, hd = q.shape
   keys, values = live_slots(k_cache, b), live_slots(v_cache, b)
-  hkv = keys.shape[1]
-  q = q.reshape(b, t, hkv, h // hkv, hd)
-  scores = jnp.einsum("btkgd,bksd->bkgts", q.astype(jnp.float32),
-                      keys.astype(jnp.float32)) / jnp.sqrt(jnp.float32(hd))
-  key_pos = jnp.arange(keys.shape[2])
-  visible = key_pos[None, None, None, None, :] <= positions[:, None, None, :, None]
-  scores = jnp.where(visible, scores, -jnp.inf)
-  probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bkgts,bkds->btkgd", probs, values.astype(jnp.float32))
-  return out.reshape(b, t, h, values.shape[2]).astype(q.dtype), (k_cache, v_cache)
+  hkv, vd = keys.shape[1], values.shape[2]
+  dtype = q.dtype
+  q = q.reshape(b, t, hkv, h // hkv, hd).astype(jnp.float32) / jnp.sqrt(jnp.float32(hd))
+  rows = lambda cache, first, n, axis: jax.lax.dynamic_slice_in_dim(
+      cache, first, n, axis=axis).astype(jnp.float32)
+  out = blockwise.attend(
+      lambda first, n: jnp.einsum("btkgd,bksd->bkgts", q, rows(keys, first, n, 2)),
+      lambda first, n: (first + jnp.arange(n))[None, None, None, None, :]
+      <= positions[:, None, None, :, None],
+      lambda first, n, probs: jnp.einsum("bkgts,bkds->bkgtd", probs, rows(values, first, n, 3)),
+      positions, keys.shape[2])                                               # [b, k, g, T, vd]
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, vd).astype(dtype), (k_cache, v_cache)
 
 
 def latent_attention(cache: jax.Array, row: jax.Array, q_lat: jax.Array, q_pe: jax.Array,
@@ -137,14 +141,23 @@ def latent_attention(cache: jax.Array, row: jax.Array, q_lat: jax.Array, q_pe: j
   """
   rows, cache = append_rows(cache, row, positions)
   kv_lora = q_lat.shape[-1]
-  rows = rows.astype(jnp.float32)
-  c, k_pe = rows[..., :kv_lora], rows[..., kv_lora:]
-  scores = (jnp.einsum("bthc,bsc->bhts", q_lat.astype(jnp.float32), c)
-            + jnp.einsum("bthr,bsr->bhts", q_pe.astype(jnp.float32), k_pe)) * scale
-  key_pos = jnp.arange(rows.shape[1])
-  visible = key_pos[None, None, :] <= positions[:, :, None]                     # [B, T, S]
-  if selected is not None:
-    visible = visible & selected
-  scores = jnp.where(visible[:, None], scores, -jnp.inf)
-  probs = jax.nn.softmax(scores, axis=-1)
-  return jnp.einsum("bhts,bsc->bthc", probs, c), cache
+  q_lat, q_pe = q_lat.astype(jnp.float32), q_pe.astype(jnp.float32)
+  window = lambda first, n: jax.lax.dynamic_slice_in_dim(rows, first, n, axis=1).astype(
+      jnp.float32)
+
+  def scores(first, n):
+    block = window(first, n)
+    return (jnp.einsum("bthc,bsc->bhts", q_lat, block[..., :kv_lora])
+            + jnp.einsum("bthr,bsr->bhts", q_pe, block[..., kv_lora:])) * scale
+
+  def visible(first, n):
+    seen = (first + jnp.arange(n))[None, None, :] <= positions[:, :, None]       # [b, T, n]
+    if selected is not None:
+      seen = seen & jax.lax.dynamic_slice_in_dim(selected, first, n, axis=2)
+    return seen[:, None]
+
+  out = blockwise.attend(
+      scores, visible,
+      lambda first, n, probs: jnp.einsum("bhts,bsc->bhtc", probs, window(first, n)[..., :kv_lora]),
+      positions, rows.shape[1])
+  return out.transpose(0, 2, 1, 3), cache
