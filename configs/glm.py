@@ -55,7 +55,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
 
   config.engine = ml_collections.ConfigDict()
   config.engine.slots = 4
-  config.engine.max_len = 512
+  # The context length (prompt + generated tokens). Attention reads only the cache blocks a
+  # sequence holds, so a step costs what it holds; the cache holds slots x max_len rows
+  # (README, "Context length and memory").
+  config.engine.max_len = 8192
   config.engine.prefill_buckets = (16, 32, 64, 128, 256)
   config.engine.timing = False     # syncs after draft/verify to fill the *_compute_us counters
   config.engine.seed = 0
@@ -103,6 +106,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
 
   if variant in _REAL_VARIANTS:
     config.model.arch, config.server.model_name = _REAL_VARIANTS[variant]
+    config.engine.max_len = 32768
   else:
     config.model.source = ""
   if variant == "tiny":

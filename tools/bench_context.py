@@ -2,6 +2,7 @@
 
   python -m tools.bench_context --modes=start          # server launch to ready, 1st vs 2nd
   python -m tools.bench_context --modes=stall          # a long prompt's stall of a live stream
+  python -m tools.bench_context --modes=steps          # step time against tokens held
 
 `start`: launches `python -m mtpjax.serve --config=configs/glm.py` twice on one fresh cache
 directory: the first start compiles everything, the second loads the compiled steps from the
@@ -27,10 +28,13 @@ from tools.bench_serve import READY
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
-_MODES = flags.DEFINE_list("modes", ["start", "stall"], "measurements to run")
+_MODES = flags.DEFINE_list("modes", ["steps", "stall", "start"], "measurements to run")
 _SERVE_FLAGS = flags.DEFINE_list("serve_flags", [], "extra flags for the servers (start)")
 _LONG_PROMPT = flags.DEFINE_integer("long_prompt", 2000, "tokens of the long prompt (stall)")
 _MAX_LEN = flags.DEFINE_integer("max_len", 4096, "engine context length (stall)")
+_HELD = flags.DEFINE_list("held", ["128", "1024", "4096", "16384", "32768"],
+                          "tokens held by the slot (steps)")
+_STEPS = flags.DEFINE_integer("steps", 20, "timed steps per point (steps)")
 
 
 def launch_to_ready(cache_dir: str) -> float:
@@ -92,10 +96,60 @@ def measure_stall() -> dict:
   return out
 
 
+def measure_steps() -> dict:
+  """Decode step time against the tokens a slot holds, blockwise attention vs reading the whole
+  cache (the old contiguous path: one block as long as the cache), alternated in one run; and
+  the cache bytes per slot. The slot's position is set directly after a short prefill: a step's
+  cost depends on the rows it reads, not on their values."""
+  import jax
+  import mtpjax
+  from mtpjax import embedded
+  from mtpjax.engine.contract import EngineConfig
+  from mtpjax.engine.engine import Engine
+  from mtpjax.engine.sampling import SamplerParams
+  from mtpjax.models import blockwise
+  model = mtpjax.load(embedded.DEMO_PACKAGE)
+  held = [int(h) for h in _HELD.value]
+  engine_cfg = EngineConfig(slots=1, max_len=max(held) + 64, prefill_buckets=(16,))
+  engines = {}
+  for name, block in (("blockwise", blockwise.BLOCK), ("whole_cache", 2 * engine_cfg.cache_len)):
+    blockwise.BLOCK = block      # read at trace time: each engine compiles with its own
+    engines[name] = Engine(model.stage_weights(with_mtp=False),
+                           model.stage_layouts(with_mtp=False), model.hops, model.config,
+                           engine_cfg)
+    state = engines[name].init_state()
+    engines[name].step(state, np.ones(1, bool))          # compile now
+  active = np.ones(1, bool)
+  out = {"mode": "steps", "max_len": engine_cfg.max_len, "held": held}
+  state = engines["blockwise"].init_state()
+  out["cache_bytes_per_slot"] = sum(a.nbytes for a in jax.tree.leaves(state.groups[0].kv))
+  for name, engine in engines.items():
+    out[f"{name}_step_ms"] = []
+  for tokens in held:
+    for name, engine in list(engines.items()) * 2:
+      state = engine.insert(engine.prefill(np.arange(8, dtype=np.int32), SamplerParams()),
+                            engine.init_state(), 0)
+      head = state.groups[0].head
+      state.groups[0].head = head.replace(slots=head.slots.replace(
+          pos=jax.numpy.full_like(head.slots.pos, tokens)))
+      times = []
+      for _ in range(_STEPS.value):
+        started = time.perf_counter()
+        state, _, _ = engine.step(state, active)
+        times.append(time.perf_counter() - started)
+      median = float(np.median(times)) * 1e3
+      series = out[f"{name}_step_ms"]
+      if len(series) == held.index(tokens) + 1:
+        series[-1] = round(min(series[-1], median), 3)
+      else:
+        series.append(round(median, 3))
+  return out
+
+
 def main(argv):
   del argv
   for mode in _MODES.value:
-    result = {"start": measure_start, "stall": measure_stall}[mode]()
+    result = {"start": measure_start, "stall": measure_stall, "steps": measure_steps}[mode]()
     print(json.dumps(result), flush=True)
 
 

@@ -19,7 +19,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-BLOCK = 256
+BLOCK = 512
 
 
 def attend(scores: Callable, visible: Callable, weighted: Callable, positions: jax.Array,
