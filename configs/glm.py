@@ -59,6 +59,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # sequence holds, so a step costs what it holds; the cache holds slots x max_len rows
   # (README, "Context length and memory").
   config.engine.max_len = 8192
+  # Prompt prefixes (whole pages of the largest bucket) kept for reuse by later prompts that
+  # start the same way, least recently used first out; 0 turns prefix caching off.
+  config.engine.prefix_cache = 8
   config.engine.prefill_buckets = (16, 32, 64, 128, 256)
   config.engine.timing = False     # syncs after draft/verify to fill the *_compute_us counters
   config.engine.seed = 0

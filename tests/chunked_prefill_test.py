@@ -36,6 +36,19 @@ def _write_model(kind: str, tmp: str) -> str:
   return str(FIXTURES / "glm4moelite-tiny" / "glm4moelite_h64-F32.gguf")   # deepseek2 MLA
 
 
+def check_prefix(test, model, engine, prompt):
+  """The prefix's last hidden gives the full forward's logits, and its draft is the
+  from-scratch MTP pass's argmax at the first sampled token's row."""
+  prefix = engine.prefill(prompt, SamplerParams())
+  graphdef, params = model.weights(with_mtp=True)
+  head = nnx.merge(graphdef, params)
+  logits = np.asarray(head.lm_logits(prefix.head.slots.h_prev))[0]
+  np.testing.assert_allclose(logits, model.logits(prompt)[-1], atol=ATOL, rtol=ATOL)
+  first = int(prefix.current[0])
+  mtp_logits = model.mtp_logits(np.append(prompt, first))
+  test.assertEqual(int(prefix.head.slots.draft[0]), int(np.argmax(mtp_logits[-1])))
+
+
 class ChunkPlanTest(absltest.TestCase):
 
   def test_chunks_cover_the_prompt_and_leave_the_mtp_row(self):
@@ -71,28 +84,40 @@ class ChunkedPrefillTest(parameterized.TestCase):
         outputs[mtp] = [r.tokens for r in SlotScheduler(engine, adaptive=None).run(requests)]
         self.assertEqual(engine.trace_counts["prefill"], 1)   # one bucket, every chunk
         if mtp:
-          self.check_prefix(model, engine, prompts[0])
+          check_prefix(self, model, engine, prompts[0])
       self.assertEqual(outputs[True], outputs[False], "MTP on and off differ (greedy, sampled)")
       tokens = outputs[False][0]
       sequence = np.concatenate([prompts[0], tokens[:-1]])
       reference = np.argmax(model.logits(sequence), axis=-1)[len(prompts[0]) - 1:]
       self.assertEqual(tokens, reference.tolist(), "greedy tokens vs a full forward")
 
-  def check_prefix(self, model, engine, prompt):
-    """The chunked prefix's last hidden gives the full forward's logits, and its draft is the
-    from-scratch MTP pass's argmax at the first sampled token's row."""
-    prefix = engine.prefill(prompt, SamplerParams())
-    graphdef, params = model.weights(with_mtp=True)
-    head = nnx.merge(graphdef, params)
-    logits = np.asarray(head.lm_logits(prefix.head.slots.h_prev))[0]
-    np.testing.assert_allclose(logits, model.logits(prompt)[-1], atol=ATOL, rtol=ATOL)
-    first = int(prefix.current[0])
-    mtp_logits = model.mtp_logits(np.append(prompt, first))
-    self.assertEqual(int(prefix.head.slots.draft[0]), int(np.argmax(mtp_logits[-1])))
-
   @parameterized.parameters("glm4moe", "deepseek2", "glm-dsa")
   def test_matches_full_forward(self, kind):
     self.run_case(kind)
+
+
+class PrefixCacheTest(absltest.TestCase):
+  """A prompt sharing whole pages with an earlier one prefills only the rest, and decodes as a
+  full forward over it (native MTP on: the NextN block's cache follows the reused pages)."""
+
+  def test_reused_prefix_gives_the_cold_tokens(self):
+    with tempfile.TemporaryDirectory() as tmp:
+      model = mtpjax.load(_write_model("glm4moe", tmp))
+    rng = np.random.default_rng(4)
+    first = rng.integers(0, 500, size=45).astype(np.int32)        # caches its first 32 tokens
+    second = np.concatenate([first[:40], rng.integers(0, 500, size=10).astype(np.int32)])
+    engine = model.engine(native_mtp=True, slots=1, max_len=MAX_LEN, prefill_buckets=BUCKETS,
+                          prefix_cache=2)
+    self.assertEqual(engine.start_prefill(second, SamplerParams()).cached, 0)
+    scheduler = SlotScheduler(engine, adaptive=None)
+    scheduler.run([Request(prompt=first, max_new_tokens=2)])
+    self.assertEqual(engine.start_prefill(second, SamplerParams()).cached, 32)
+    tokens = scheduler.run([Request(prompt=second, max_new_tokens=NEW_TOKENS)])[0].tokens
+    sequence = np.concatenate([second, tokens[:-1]])
+    reference = np.argmax(model.logits(sequence), axis=-1)[len(second) - 1:]
+    self.assertEqual(tokens, reference.tolist())
+    self.assertEqual(engine.start_prefill(second, SamplerParams()).cached, 48)
+    check_prefix(self, model, engine, second)      # from the 48 cached tokens on
 
 
 class InterleavingTest(absltest.TestCase):

@@ -27,6 +27,7 @@ from flax import nnx
 from mtpjax.engine import steps
 from mtpjax.engine.contract import EngineConfig, counted, slot_buckets
 from mtpjax.engine.plan import group_bounds, selection_like
+from mtpjax.engine.prefix_cache import PrefixCache
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.engine.state import (EngineState, Group, HeadState, Prefix, PrefillJob,
                                  sampler_arrays)
@@ -61,6 +62,8 @@ class Engine:
     self.dtype = dtype
     self.last = len(self.layouts) - 1
     self.bounds = group_bounds(engine_cfg.slots, len(self.layouts))
+    self.prefix_cache = (PrefixCache(engine_cfg.page, engine_cfg.prefix_cache)
+                         if engine_cfg.prefix_cache else None)
     self._buckets = {hi - lo: slot_buckets(hi - lo) for lo, hi in self.bounds}
     self.slot_buckets = self._buckets[max(self._buckets)]
     self._result_like = [_ints(hi - lo, 4) for lo, hi in self.bounds]   # ResultTokens per group
@@ -179,15 +182,24 @@ class Engine:
                     logprobs: bool = False) -> PrefillJob:
     """A prompt's prefill, to run one chunk at a time (`prefill_chunk`) so that a scheduler can
     step other slots between the chunks of a long prompt. Refuses a prompt that does not fit
-    the context (`errors.ContextLengthError`) before any work."""
+    the context (`errors.ContextLengthError`) before any work. With a prefix cache, the
+    longest cached whole-page prefix is copied in and only the rest is prefilled."""
     prompt, chunks = self.engine_cfg.prefill_chunks(prompt)
-    carry = None
+    job = PrefillJob(prompt=prompt, chunks=chunks, sampler=sampler_arrays(sampler.validate()),
+                     logprobs=logprobs, kv=[], carry=None)
+    entry = None
+    if self.prefix_cache is not None:
+      job.cached, entry = self.prefix_cache.longest(prompt)
+      job.save = self.prefix_cache.to_save(prompt, job.cached)
+    if entry is not None:   # the job donates its caches: the entry keeps its own
+      job.kv, job.carry = jax.tree.map(jnp.copy, entry)
+      job.chunks = self.engine_cfg.prefill_chunks(prompt, job.cached)[1]
+      return job
+    job.kv = [self._zero_caches(s, 1) for s in range(len(self.layouts))]
     if self.hops.local(self.last):
       head = self._empty_head(1)
-      carry = (head.slots.h_prev, head.mtp_kv)
-    return PrefillJob(prompt=prompt, chunks=chunks, sampler=sampler_arrays(sampler.validate()),
-                      logprobs=logprobs, kv=[self._zero_caches(s, 1) for s in
-                                             range(len(self.layouts))], carry=carry)
+      job.carry = (head.slots.h_prev, head.mtp_kv)
+    return job
 
   def prefill_chunk(self, job: PrefillJob) -> bool:
     """Run the next chunk of `job`; True once the prompt is done and `job.prefix` is set."""
@@ -212,6 +224,8 @@ class Engine:
       else:
         x = out
     if not final:
+      if job.save is not None and job.save[0] == start + count:
+        self.prefix_cache.store(job.save[1], jax.tree.map(jnp.copy, (job.kv, job.carry)))
       return False
     current = self.hops.share(None if head is None else head.slots.current, self.last,
                               like=_ints(1))

@@ -120,3 +120,5 @@ class PrefillJob:
   kv: list
   carry: tuple | None
   prefix: Prefix | None = None
+  save: tuple[int, bytes] | None = None   # (tokens, key) of the prefix to cache on the way
+  cached: int = 0                         # prompt tokens taken from the prefix cache

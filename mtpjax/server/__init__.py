@@ -87,7 +87,8 @@ def build_service(config) -> Service:
   settings = model.generation_settings
   engine = model.engine(native_mtp=settings.native_mtp, slots=settings.slots,
                         max_len=settings.max_len, prefill_buckets=settings.prefill_buckets,
-                        timing=settings.timing, logprobs=int(engine_cfg.logprobs))
+                        timing=settings.timing, logprobs=int(engine_cfg.logprobs),
+                        prefix_cache=int(engine_cfg.prefix_cache))
   tokenizer = GgufTokenizer.from_metadata(model.metadata, path=source)
   chat_template = BudgetedChatTemplate.from_metadata(
       model.metadata, path=source,
