@@ -1,4 +1,5 @@
-"""Chunked prefill: a prompt longer than the largest bucket, prefilled chunk after chunk.
+"""Chunked prefill: a prompt longer than the largest bucket, prefilled chunk after chunk, the
+scheduler's steps between a long prompt's chunks, and prefix caching.
 
 References are independent of the engine's chunking: `Model.logits` / `Model.mtp_logits` (one
 full forward over the whole sequence), and each request decoded alone.

@@ -3,10 +3,14 @@
   python -m tools.bench_context --modes=start          # server launch to ready, 1st vs 2nd
   python -m tools.bench_context --modes=stall          # a long prompt's stall of a live stream
   python -m tools.bench_context --modes=steps          # step time against tokens held
+  python -m tools.bench_context --modes=ttft           # TTFT cold vs a cached 1,900 tokens
 
 `start`: launches `python -m mtpjax.serve --config=configs/glm.py` twice on one fresh cache
 directory: the first start compiles everything, the second loads the compiled steps from the
 persistent compilation cache (`warm_start.py`).
+`steps`: decode step time at 128 ... 32K tokens held, blockwise attention vs reading the
+whole cache, and the cache bytes per slot. `ttft`: time to first token of a 2,000-token prompt
+cold and with its first 1,900 tokens shared with an earlier prompt (prefix cache).
 `stall`: a stream decodes while a prompt of --long_prompt tokens arrives; reports the longest
 gap between the stream's tokens with the long prompt's chunks interleaved with decode steps,
 and with its whole prefill run at once.
@@ -28,13 +32,15 @@ from tools.bench_serve import READY
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
-_MODES = flags.DEFINE_list("modes", ["steps", "stall", "start"], "measurements to run")
+_MODES = flags.DEFINE_list("modes", ["steps", "ttft", "stall", "start"], "measurements to run")
 _SERVE_FLAGS = flags.DEFINE_list("serve_flags", [], "extra flags for the servers (start)")
 _LONG_PROMPT = flags.DEFINE_integer("long_prompt", 2000, "tokens of the long prompt (stall)")
 _MAX_LEN = flags.DEFINE_integer("max_len", 4096, "engine context length (stall)")
 _HELD = flags.DEFINE_list("held", ["128", "1024", "4096", "16384", "32768"],
                           "tokens held by the slot (steps)")
 _STEPS = flags.DEFINE_integer("steps", 20, "timed steps per point (steps)")
+_SHARED = flags.DEFINE_integer("shared", 1900, "tokens the second prompt shares (ttft)")
+_ROUNDS = flags.DEFINE_integer("ttft_rounds", 3, "cold / cached pairs (ttft)")
 
 
 def launch_to_ready(cache_dir: str) -> float:
@@ -146,10 +152,40 @@ def measure_steps() -> dict:
   return out
 
 
+def measure_ttft() -> dict:
+  """Time to first token of a --long_prompt prompt cold, and of one sharing its first
+  --shared tokens with it (prefix cache), alternated over fresh random prompts."""
+  import mtpjax
+  from mtpjax import embedded
+  from mtpjax.engine.contract import warm_up
+  from mtpjax.engine.scheduler import Request, SlotScheduler
+  model = mtpjax.load(embedded.DEMO_PACKAGE)
+  engine = model.engine(native_mtp=True, slots=1, max_len=_MAX_LEN.value,
+                        prefill_buckets=(16, 32, 64, 128, 256), prefix_cache=4)
+  warm_up(engine)
+  rng = np.random.default_rng(1)
+  vocab = model.config.vocab_size
+  size, shared = _LONG_PROMPT.value, _SHARED.value
+  cold, cached = [], []
+  for _ in range(_ROUNDS.value):
+    first = rng.integers(0, vocab, size=size).astype(np.int32)
+    second = np.concatenate([first[:shared], rng.integers(0, vocab, size - shared)]).astype(
+        np.int32)
+    for prompt, times in ((first, cold), (second, cached)):
+      result = SlotScheduler(engine).run([Request(prompt=prompt, max_new_tokens=1)])[0]
+      times.append(result.time_to_first_token_s)
+  cold_s, cached_s = float(np.median(cold)), float(np.median(cached))
+  return {"mode": "ttft", "prompt_tokens": size, "shared_tokens": shared,
+          "cached_tokens": (shared // engine.engine_cfg.page) * engine.engine_cfg.page,
+          "cold_ttft_s": round(cold_s, 4), "cached_ttft_s": round(cached_s, 4),
+          "cached_over_cold": round(cached_s / cold_s, 3)}
+
+
 def main(argv):
   del argv
   for mode in _MODES.value:
-    result = {"start": measure_start, "stall": measure_stall, "steps": measure_steps}[mode]()
+    result = {"start": measure_start, "stall": measure_stall, "steps": measure_steps,
+              "ttft": measure_ttft}[mode]()
     print(json.dumps(result), flush=True)
 
 
