@@ -23,9 +23,10 @@ BLOCK = 512
 
 
 def attend(scores: Callable, visible: Callable, weighted: Callable, positions: jax.Array,
-           length: int) -> jax.Array:
+           length: int, align: Callable = lambda a: a) -> jax.Array:
   """softmax(scores over visible rows) . values, for a cache of `length` rows; queries at
-  `positions` (any shape) never see rows past the highest one."""
+  `positions` (any shape) never see rows past the highest one. `align` maps a per-query array
+  (the scores' leading axes) to the leading axes of `weighted`'s output."""
   if length <= BLOCK:
     probs = jax.nn.softmax(jnp.where(visible(0, length), scores(0, length), -jnp.inf), axis=-1)
     return weighted(0, length, probs)
@@ -44,11 +45,12 @@ def attend(scores: Callable, visible: Callable, weighted: Callable, positions: j
     probs = jnp.where(seen, jnp.exp(s - shift[..., None]), 0.0)
     rescale = jnp.where(finite, jnp.exp(peak - shift), 0.0)
     total = total * rescale + jnp.sum(probs, axis=-1)
-    out = out * rescale[..., None] + weighted(first, BLOCK, probs)
+    out = out * align(rescale)[..., None] + weighted(first, BLOCK, probs)
     return new_peak, total, out
 
+  per_query = jax.eval_shape(lambda: scores(0, BLOCK)).shape[:-1]
   shape = jax.eval_shape(lambda: weighted(0, BLOCK, scores(0, BLOCK))).shape
-  init = (jnp.full(shape[:-1], -jnp.inf, jnp.float32), jnp.zeros(shape[:-1], jnp.float32),
+  init = (jnp.full(per_query, -jnp.inf, jnp.float32), jnp.zeros(per_query, jnp.float32),
           jnp.zeros(shape, jnp.float32))
   _, total, out = jax.lax.fori_loop(0, blocks, body, init)
-  return out / total[..., None]
+  return out / align(total)[..., None]

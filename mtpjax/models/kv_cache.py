@@ -100,6 +100,14 @@ def append_rows(cache: jax.Array, rows: jax.Array, positions: jax.Array
   return live_slots(cache, rows.shape[0])[:, :, 0], cache
 
 
+def window_rows(cache: jax.Array, first, n: int, axis: int) -> jax.Array:
+  """Rows [first, first + n) along `axis`; the whole array, unsliced, when n covers it (a
+  full-length dynamic slice makes XLA:CPU copy the cache)."""
+  if n == cache.shape[axis]:
+    return cache
+  return jax.lax.dynamic_slice_in_dim(cache, first, n, axis=axis)
+
+
 def attention(cache: tuple[jax.Array, jax.Array], q: jax.Array, k: jax.Array, v: jax.Array,
               positions: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
   """Write the step's keys and values, then attend from `q` to cache rows j <= position (GQA).
@@ -118,15 +126,16 @@ def attention(cache: tuple[jax.Array, jax.Array], q: jax.Array, k: jax.Array, v:
   hkv, vd = keys.shape[1], values.shape[2]
   dtype = q.dtype
   q = q.reshape(b, t, hkv, h // hkv, hd).astype(jnp.float32) / jnp.sqrt(jnp.float32(hd))
-  rows = lambda cache, first, n, axis: jax.lax.dynamic_slice_in_dim(
-      cache, first, n, axis=axis).astype(jnp.float32)
+  rows = lambda cache, first, n, axis: window_rows(cache, first, n, axis).astype(jnp.float32)
   out = blockwise.attend(
       lambda first, n: jnp.einsum("btkgd,bksd->bkgts", q, rows(keys, first, n, 2)),
       lambda first, n: (first + jnp.arange(n))[None, None, None, None, :]
       <= positions[:, None, None, :, None],
-      lambda first, n, probs: jnp.einsum("bkgts,bkds->bkgtd", probs, rows(values, first, n, 3)),
-      positions, keys.shape[2])                                               # [b, k, g, T, vd]
-  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, vd).astype(dtype), (k_cache, v_cache)
+      # Summed straight into [b, T, k, g, vd]: a transpose after it makes XLA:CPU copy the
+      # key cache of a one-slot step.
+      lambda first, n, probs: jnp.einsum("bkgts,bkds->btkgd", probs, rows(values, first, n, 3)),
+      positions, keys.shape[2], align=lambda a: a.transpose(0, 3, 1, 2))
+  return out.reshape(b, t, h, vd).astype(dtype), (k_cache, v_cache)
 
 
 def latent_attention(cache: jax.Array, row: jax.Array, q_lat: jax.Array, q_pe: jax.Array,
@@ -142,8 +151,7 @@ def latent_attention(cache: jax.Array, row: jax.Array, q_lat: jax.Array, q_pe: j
   rows, cache = append_rows(cache, row, positions)
   kv_lora = q_lat.shape[-1]
   q_lat, q_pe = q_lat.astype(jnp.float32), q_pe.astype(jnp.float32)
-  window = lambda first, n: jax.lax.dynamic_slice_in_dim(rows, first, n, axis=1).astype(
-      jnp.float32)
+  window = lambda first, n: window_rows(rows, first, n, 1).astype(jnp.float32)
 
   def scores(first, n):
     block = window(first, n)
@@ -153,11 +161,11 @@ def latent_attention(cache: jax.Array, row: jax.Array, q_lat: jax.Array, q_pe: j
   def visible(first, n):
     seen = (first + jnp.arange(n))[None, None, :] <= positions[:, :, None]       # [b, T, n]
     if selected is not None:
-      seen = seen & jax.lax.dynamic_slice_in_dim(selected, first, n, axis=2)
+      seen = seen & window_rows(selected, first, n, 2)
     return seen[:, None]
 
   out = blockwise.attend(
       scores, visible,
-      lambda first, n, probs: jnp.einsum("bhts,bsc->bhtc", probs, window(first, n)[..., :kv_lora]),
-      positions, rows.shape[1])
-  return out.transpose(0, 2, 1, 3), cache
+      lambda first, n, probs: jnp.einsum("bhts,bsc->bthc", probs, window(first, n)[..., :kv_lora]),
+      positions, rows.shape[1], align=lambda a: a.transpose(0, 2, 1))
+  return out, cache
