@@ -58,7 +58,13 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
 
   config.engine = ml_collections.ConfigDict()
   config.engine.slots = 4
-  config.engine.max_len = 512
+  # The context length (prompt + generated tokens). Attention reads only the cache blocks a
+  # sequence holds, so a step costs what it holds; the cache holds slots x max_len rows
+  # (README, "Context length and memory").
+  config.engine.max_len = 8192
+  # Prompt prefixes (whole pages of the largest bucket) kept for reuse by later prompts that
+  # start the same way, least recently used first out; 0 turns prefix caching off.
+  config.engine.prefix_cache = 8
   config.engine.prefill_buckets = (16, 32, 64, 128, 256)
   config.engine.timing = False     # syncs after draft/verify to fill the *_compute_us counters
   config.engine.seed = 0
@@ -100,9 +106,13 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   config.distributed.process_id = config_dict.placeholder(int)
 
   config.cache_dir = config_dict.placeholder(str)
+  # JAX's persistent compilation cache under <cache_dir>/mtpjax/jax-compilation: a second
+  # start of the same config reuses the compiled steps (mtpjax/warm_start.py).
+  config.compilation_cache = True
 
   if variant in _REAL_VARIANTS:
     config.model.arch, config.server.model_name = _REAL_VARIANTS[variant]
+    config.engine.max_len = 32768
   else:
     config.model.source = ""
   if variant == "tiny":

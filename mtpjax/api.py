@@ -248,9 +248,11 @@ class Model:
 
   def engine(self, *, native_mtp: bool, slots: int = 1, max_len: int = 512,
              prefill_buckets: Sequence[int] | None = None, timing: bool = False,
-             logprobs: int = 0) -> Engine:
-    """A compiled engine, cached by its settings so repeated calls reuse the compiled steps."""
-    settings = dict(slots=slots, native_mtp=native_mtp, timing=timing, logprobs=logprobs)
+             logprobs: int = 0, prefix_cache: int = 0) -> Engine:
+    """A compiled engine, cached by its settings so repeated calls reuse the compiled steps.
+    `prefix_cache`: prompt prefixes kept for reuse (0: none)."""
+    settings = dict(slots=slots, native_mtp=native_mtp, timing=timing, logprobs=logprobs,
+                    prefix_cache=prefix_cache)
     engine_cfg = (EngineConfig(max_len=max_len, prefill_buckets=tuple(prefill_buckets),
                                **settings)
                   if prefill_buckets else

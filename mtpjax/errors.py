@@ -79,3 +79,8 @@ class CheckpointError(MtpjaxError):
 
 class MeshConfigError(MtpjaxError):
   """The device mesh or stage split in the config cannot be built."""
+
+
+class ContextLengthError(MtpjaxError):
+  """A request does not fit the engine's context length (`engine.max_len`); the server answers
+  it 400 with code `context_length_exceeded`."""

@@ -41,7 +41,7 @@ class GetConfigTest(parameterized.TestCase):
                      ("glm", "glm4moe", "float32"))
     self.assertEqual((config.mesh.stages, config.mesh.splits, config.mesh.tensor), (1, None, 1))
     self.assertEqual((config.engine.slots, config.engine.max_len, config.engine.timing,
-                      config.engine.seed), (4, 512, False, 0))
+                      config.engine.seed), (4, 8192, False, 0))
     self.assertEqual(config.engine.prefill_buckets, (16, 32, 64, 128, 256))
     self.assertEqual((config.sampling.temperature, config.sampling.top_k, config.sampling.top_p,
                       config.sampling.max_new_tokens), (0.0, 0, 1.0, 128))
@@ -52,6 +52,7 @@ class GetConfigTest(parameterized.TestCase):
     self.assertIsNone(config.distributed.num_processes)
     self.assertIsNone(config.distributed.process_id)
     self.assertIsNone(config.cache_dir)
+    self.assertTrue(config.compilation_cache)
 
   @parameterized.parameters(("glm-4.5-air", "glm4moe"), ("glm-4.7", "glm4moe"),
                             ("glm-4.7-flash", "deepseek2"), ("glm-5", "glm-dsa"))
@@ -60,6 +61,7 @@ class GetConfigTest(parameterized.TestCase):
     self.assertIsNone(config.model.source)
     self.assertEqual(config.model.arch, arch)
     self.assertEqual(config.server.model_name, variant)
+    self.assertEqual(config.engine.max_len, 32768)
     self.assertEqual(config.model.name, "glm")
     config.model.source = "/models/pkg"     # the field exists and takes a string
     self.assertEqual(config.model.source, "/models/pkg")

@@ -18,7 +18,7 @@ NEUTRAL_MODELS = {"mtpjax.models", "mtpjax.models.config", "mtpjax.models.interf
 LAYERS = (
     ("test helpers", ("mtpjax.testing",)),
     ("entry points", ("mtpjax.serve", "mtpjax.server", "mtpjax.convert", "mtpjax.embedded",
-                      "mtpjax.distributed")),
+                      "mtpjax.distributed", "mtpjax.warm_start")),
     ("public API", ("mtpjax.api", "mtpjax.text")),
     ("engine", ("mtpjax.engine",)),
     ("weights", ("mtpjax.loading", "mtpjax.checkpoint", "mtpjax.sharding", "mtpjax.staging")),

@@ -308,6 +308,12 @@ class SlowStepEngine:
   def prefill(self, prompt, sampler, *, logprobs=False):
     return self.engine.prefill(prompt, sampler, logprobs=logprobs)
 
+  def start_prefill(self, prompt, sampler, *, logprobs=False):
+    return self.engine.start_prefill(prompt, sampler, logprobs=logprobs)
+
+  def prefill_chunk(self, job):
+    return self.engine.prefill_chunk(job)
+
   def insert(self, prefix, state, slot):
     return self.engine.insert(prefix, state, slot)
 

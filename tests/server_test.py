@@ -370,10 +370,14 @@ class ServerTest(ServerTestBase):
 class MtpOffServerTest(ServerTestBase):
   """MTP disabled by a config override: the answers of MTP on, and the MTP metrics at 0."""
 
+  # Buckets of at most 32 tokens: the last prompt is prefilled in chunks by the server and in
+  # one by the reference.
   FLAGS = ("--config.defaults.speculative.strategy=disabled", "--config.engine.max_len=128",
-           "--config.engine.slots=2")
+           "--config.engine.slots=2", "--config.engine.prefill_buckets=(16,32)")
   PREBUILD = True
-  PROMPTS = ("The quick brown fox", "def forward(self, tokens, positions):", "Hello")
+  PROMPTS = ("The quick brown fox", "def forward(self, tokens, positions):", "Hello",
+             "def forward(self, tokens, positions):\n  hidden = self.embed(tokens)\n  for layer "
+             "in self.layers:\n    hidden = layer(hidden, positions)\n  return self.norm(hidden)\n")
   NEW_TOKENS = 20
 
   @classmethod
@@ -438,8 +442,8 @@ class MtpOffServerTest(ServerTestBase):
   def test_worker_survives_a_failing_step(self):
     """A request that fails inside the engine fails alone, while another one is live.
 
-    The worker is driven directly (the HTTP layer would have refused these): the engine's
-    only prefill bucket (16) cannot hold a 20-token prompt, and a top_k past int32 cannot be
+    The worker is driven directly (the HTTP layer would have refused these): a 64-token prompt
+    leaves no room in the engine's context of 64, and a top_k past int32 cannot be
     put in the step's arrays, so their prefills raise mid-step; the live request must still
     get its reference answer.
     """
@@ -463,7 +467,7 @@ class MtpOffServerTest(ServerTestBase):
                                    max_new_tokens=self.NEW_TOKENS, stop_ids=frozenset([eos])),
                            "t")
       first = await good.next_event(60)            # live in its slot
-      bad = [worker.submit(Request(prompt=np.arange(20, dtype=np.int32), max_new_tokens=4), "t"),
+      bad = [worker.submit(Request(prompt=np.arange(64, dtype=np.int32), max_new_tokens=4), "t"),
              worker.submit(Request(prompt=np.asarray(prompt, np.int32), max_new_tokens=4,
                                    sampler=SamplerParams(temperature=1.0, top_k=2**31)), "t")]
       for generation in bad:

@@ -52,6 +52,7 @@ class EngineConfig:
   native_mtp: bool = False
   timing: bool = False                     # sync after verify and draft to time them
   logprobs: int = 0                        # top logprobs per committed token (0: none computed)
+  prefix_cache: int = 0                    # cached prompt prefixes kept (0: no prefix caching)
 
   @classmethod
   def with_default_buckets(cls, *, max_len: int, **kwargs) -> "EngineConfig":
@@ -64,20 +65,39 @@ class EngineConfig:
     """Two spare rows hold the verify and draft rows of the last step."""
     return self.max_len + 2
 
-  def padded_prompt(self, prompt) -> tuple[np.ndarray, int]:
-    """(tokens [1, bucket], prompt length): the bucket leaves one row for the first sampled
-    token's MTP row; an empty prompt or one without room to generate is refused."""
+  def prefill_chunks(self, prompt, start: int = 0
+                     ) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """(the prompt as int32 ids, (start, tokens, bucket) of each chunk it is prefilled in from
+    token `start` on, the tokens before it being cached).
+
+    Chunks take the largest bucket's worth of tokens at a time; the last one keeps a row of its
+    bucket for the first sampled token's MTP row, so a chunk that would end the prompt exactly
+    leaves its last token to a final chunk. An empty prompt or one without room to generate
+    is refused (`ContextLengthError`).
+    """
     prompt = np.asarray(prompt, np.int32).reshape(-1)
     if prompt.size == 0:
       raise errors.MtpjaxError("the prompt is empty", field="prompt",
                                remedy="pass at least one token id")
     if prompt.size >= self.max_len:
-      raise errors.MtpjaxError(
-          f"a prompt of {prompt.size} tokens leaves no room in max_len {self.max_len}",
-          field="prompt", remedy="shorten the prompt or raise engine.max_len")
-    tokens = np.zeros((1, self.bucket_for(prompt.size + 1)), np.int32)
-    tokens[0, :prompt.size] = prompt
-    return tokens, int(prompt.size)
+      raise errors.ContextLengthError(
+          f"a prompt of {prompt.size} tokens leaves no room in the context length "
+          f"(engine.max_len {self.max_len})", field="prompt",
+          remedy="shorten the prompt or raise engine.max_len")
+    largest = self.page
+    chunks, rest = [], int(prompt.size) - start
+    while rest + 1 > largest:
+      take = min(largest, rest - 1)
+      chunks.append((start, take, self.bucket_for(take)))
+      start, rest = start + take, rest - take
+    chunks.append((start, rest, self.bucket_for(rest + 1)))
+    return prompt, chunks
+
+  @property
+  def page(self) -> int:
+    """The largest bucket that fits the cache: the chunk size of long prompts."""
+    return self.bucket_for(max((b for b in self.prefill_buckets if b <= self.cache_len),
+                               default=self.prefill_buckets[0]))
 
   def check_model(self, cfg: ModelConfig) -> None:
     if self.native_mtp and not cfg.has_mtp:
@@ -120,6 +140,13 @@ class DecodeEngine(Protocol):
 
   def prefill(self, prompt: np.ndarray, sampler: SamplerParams, *,
               logprobs: bool = False) -> Any: ...
+
+  def start_prefill(self, prompt: np.ndarray, sampler: SamplerParams, *,
+                    logprobs: bool = False) -> Any:
+    """A prefill job to run chunk by chunk: `prefill_chunk` until it returns True, then the
+    job's `prefix` is what `prefill` returns."""
+
+  def prefill_chunk(self, job: Any) -> bool: ...
 
   def insert(self, prefix: Any, state: Any, slot: int) -> Any: ...
 

@@ -27,8 +27,10 @@ from flax import nnx
 from mtpjax.engine import steps
 from mtpjax.engine.contract import EngineConfig, counted, slot_buckets
 from mtpjax.engine.plan import group_bounds, selection_like
+from mtpjax.engine.prefix_cache import PrefixCache
 from mtpjax.engine.sampling import SamplerParams
-from mtpjax.engine.state import EngineState, Group, HeadState, Prefix, sampler_arrays
+from mtpjax.engine.state import (EngineState, Group, HeadState, Prefix, PrefillJob,
+                                 sampler_arrays)
 from mtpjax.models import registry
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.interface import StageLayout, stage_forward
@@ -60,6 +62,8 @@ class Engine:
     self.dtype = dtype
     self.last = len(self.layouts) - 1
     self.bounds = group_bounds(engine_cfg.slots, len(self.layouts))
+    self.prefix_cache = (PrefixCache(engine_cfg.page, engine_cfg.prefix_cache)
+                         if engine_cfg.prefix_cache else None)
     self._buckets = {hi - lo: slot_buckets(hi - lo) for lo, hi in self.bounds}
     self.slot_buckets = self._buckets[max(self._buckets)]
     self._result_like = [_ints(hi - lo, 4) for lo, hi in self.bounds]   # ResultTokens per group
@@ -74,7 +78,7 @@ class Engine:
                                               donate_argnames=donate)
     per_stage = lambda name, fn, donate=(): [jit(name, functools.partial(fn, s), donate)
                                              for s in range(len(self.layouts))]
-    self._prefill = per_stage("prefill", self._prefill_fn)
+    self._prefill = per_stage("prefill", self._prefill_fn, ("kv", "carry"))
     self._insert = jit("insert", _insert_fn, ("state",))
     kinds = ("verify_draft", "plain") if engine_cfg.native_mtp else ("decode",)
     self._steps = {kind: per_stage(kind, functools.partial(self._step_fn, kind=kind),
@@ -103,25 +107,31 @@ class Engine:
 
   # --- state --------------------------------------------------------------------------------
 
+  def _zero_caches(self, s: int, batch: int) -> list | None:
+    """Stage `s`'s empty trunk caches for `batch` slots, allocated on its devices (a long
+    context's caches never pass through the host); None where another process owns it."""
+    if not self.hops.local(s):
+      return None
+    layout = self.layouts[s]
+    zeros = functools.partial(jnp.zeros, dtype=self.dtype, device=self.hops.shardings[s])
+    return [(zeros(k), zeros(v)) for k, v in registry.cache_shapes(
+        self.cfg, layout.layer_end - layout.layer_start, batch, self.engine_cfg.cache_len)]
+
+  def _empty_head(self, batch: int) -> HeadState:
+    """An empty head state of `batch` slots on the last stage's devices."""
+    here = self.hops.shardings[self.last]
+    return jax.device_put(steps.empty_head(
+        self.cfg, self.engine_cfg, batch, self.dtype,
+        lambda shape, dtype: jnp.zeros(shape, dtype, device=here)), here)
+
   def init_state(self) -> EngineState:
-    cfg, ec = self.cfg, self.engine_cfg
     groups = []
     for lo, hi in self.bounds:
-      kv = [None] * len(self.layouts)
-      for s, layout in enumerate(self.layouts):
-        if self.hops.local(s):
-          # Allocated on the devices: a long context's caches never pass through the host.
-          zeros = functools.partial(jnp.zeros, dtype=self.dtype, device=self.hops.shardings[s])
-          kv[s] = [(zeros(k), zeros(v)) for k, v in registry.cache_shapes(
-              cfg, layout.layer_end - layout.layer_start, hi - lo, ec.cache_len)]
-      head = None
-      if self.hops.local(self.last):
-        here = self.hops.shardings[self.last]
-        head = jax.device_put(steps.empty_head(
-            cfg, ec, hi - lo, self.dtype,
-            lambda shape, dtype: jnp.zeros(shape, dtype, device=here)), here)
+      kv = [self._zero_caches(s, hi - lo) for s in range(len(self.layouts))]
+      head = self._empty_head(hi - lo) if self.hops.local(self.last) else None
       groups.append(Group(kv=kv, head=head))
-    lag = [np.zeros(hi - lo, np.int32) for lo, hi in self.bounds] if ec.native_mtp else None
+    lag = ([np.zeros(hi - lo, np.int32) for lo, hi in self.bounds]
+           if self.engine_cfg.native_mtp else None)
     return EngineState(groups, lag)
 
   def warm_up_schedule(self) -> list[np.ndarray]:
@@ -144,41 +154,85 @@ class Engine:
 
   # --- prefill ------------------------------------------------------------------------------
 
-  def _prefill_fn(self, s: int, leaves, inp, extra):
-    """Stage `s` over a whole prompt (tokens, or the hop's (x, selection)); the last stage
-    also samples and drafts (`extra`)."""
+  def _prefill_fn(self, s: int, leaves, inp, start, kv, carry, extra):
+    """Stage `s` over one chunk of a prompt at positions start... (tokens, or the hop's
+    (x, selection)) on the prompt's caches so far; the last stage also samples and drafts
+    (`extra`), continuing the MTP rows from `carry` (h_{start-1}, the MTP KV)."""
     model = self._model(s, leaves)
-    x, kv, selection = steps.fresh_forward(model, inp, self.engine_cfg.cache_len)
+    width = (inp if self.layouts[s].embeddings else inp[0]).shape[1]
+    positions = start + jnp.arange(width, dtype=jnp.int32)[None]
+    x, kv, selection = stage_forward(model, inp, positions, kv)
     if not self.layouts[s].output:
       return (x, selection if self._hands_selection(s) else None), kv
     tokens, length, sampler, want = extra
-    return steps.prefill_commit(model, self.engine_cfg, tokens, x, length, sampler, want), kv
+    before, mtp_kv = carry
+    return steps.prefill_commit(model, self.engine_cfg, tokens, x, length, sampler, want,
+                                start=start, before=before, mtp_kv=mtp_kv), kv
 
   def prefill(self, prompt: np.ndarray, sampler: SamplerParams, *,
               logprobs: bool = False) -> Prefix:
-    """Run a prompt; the bucket leaves one row for the first sampled token's MTP row.
-    `logprobs`: the prefix carries the first token's (needs `engine_cfg.logprobs`)."""
-    tokens, length = self.engine_cfg.padded_prompt(prompt)
-    extra = (tokens, np.int32(length), sampler_arrays(sampler.validate()),
-             self._traced_flag(logprobs))
-    kv = [None] * len(self.layouts)
-    x, head, rows, t = tokens, None, None, tokens.shape[1]
+    """Run a whole prompt, chunk after chunk (`start_prefill`). `logprobs`: the prefix carries
+    the first token's (needs `engine_cfg.logprobs`)."""
+    job = self.start_prefill(prompt, sampler, logprobs=logprobs)
+    while not self.prefill_chunk(job):
+      pass
+    return job.prefix
+
+  def start_prefill(self, prompt: np.ndarray, sampler: SamplerParams, *,
+                    logprobs: bool = False) -> PrefillJob:
+    """A prompt's prefill, to run one chunk at a time (`prefill_chunk`) so that a scheduler can
+    step other slots between the chunks of a long prompt. Refuses a prompt that does not fit
+    the context (`errors.ContextLengthError`) before any work. With a prefix cache, the
+    longest cached whole-page prefix is copied in and only the rest is prefilled."""
+    prompt, chunks = self.engine_cfg.prefill_chunks(prompt)
+    job = PrefillJob(prompt=prompt, chunks=chunks, sampler=sampler_arrays(sampler.validate()),
+                     logprobs=logprobs, kv=[], carry=None)
+    entry = None
+    if self.prefix_cache is not None:
+      job.cached, entry = self.prefix_cache.longest(prompt)
+      job.save = self.prefix_cache.to_save(prompt, job.cached)
+    if entry is not None:   # the job donates its caches: the entry keeps its own
+      job.kv, job.carry = jax.tree.map(jnp.copy, entry)
+      job.chunks = self.engine_cfg.prefill_chunks(prompt, job.cached)[1]
+      return job
+    job.kv = [self._zero_caches(s, 1) for s in range(len(self.layouts))]
+    if self.hops.local(self.last):
+      head = self._empty_head(1)
+      job.carry = (head.slots.h_prev, head.mtp_kv)
+    return job
+
+  def prefill_chunk(self, job: PrefillJob) -> bool:
+    """Run the next chunk of `job`; True once the prompt is done and `job.prefix` is set."""
+    start, count, bucket = job.chunks.pop(0)
+    final = not job.chunks
+    tokens = np.zeros((1, bucket), np.int32)
+    tokens[0, :count] = job.prompt[start:start + count]
+    extra = (tokens, np.int32(count), job.sampler, self._traced_flag(job.logprobs and final))
+    x, head, rows = tokens, None, None
     for s in range(len(self.layouts)):
       if s > 0:
         x = self.hops.move(x, s - 1, s,
-                           like=(self._width(1, t)[0], self._selection_like(s, 1, t)))
+                           like=(self._width(1, bucket)[0], self._selection_like(s, 1, bucket)))
       if not self.hops.local(s):
         continue
-      out, kv[s] = self._prefill[s](self._leaves[s], x, extra if s == self.last else None)
-      if s == self.last:
+      last = s == self.last
+      out, job.kv[s] = self._prefill[s](self._leaves[s], x, np.int32(start), job.kv[s],
+                                        job.carry if last else None, extra if last else None)
+      if last:
         head, rows = out
+        job.carry = (head.slots.h_prev, head.mtp_kv)
       else:
         x = out
+    if not final:
+      if job.save is not None and job.save[0] == start + count:
+        self.prefix_cache.store(job.save[1], jax.tree.map(jnp.copy, (job.kv, job.carry)))
+      return False
     current = self.hops.share(None if head is None else head.slots.current, self.last,
                               like=_ints(1))
     shared = (self._shared_logprobs([rows] if head is not None else [], [(0, 1)], 1)
-              if self._wants(logprobs) else None)
-    return Prefix(kv=kv, head=head, current=current, logprobs=shared)
+              if self._wants(job.logprobs) else None)
+    job.prefix = Prefix(kv=job.kv, head=head, current=current, logprobs=shared)
+    return True
 
   def _group_of(self, slot: int) -> tuple[int, int]:
     """(the group holding `slot`, its index within the group)."""

@@ -197,11 +197,27 @@ def _token_logprobs(request: Request, rows, slot: int,
           for r, token in enumerate(tokens)]
 
 
-class SlotScheduler:
-  """Runs requests over the engine's slots until all are done."""
+@dataclasses.dataclass
+class _Prefilling:
+  """A request being prefilled into a free slot, between the chunks of a long prompt."""
+  slot: int
+  request: Request
+  done: Callable[[Result], None]
+  started: float
+  job: object = None              # the engine's prefill job, once started
 
-  def __init__(self, engine: DecodeEngine, adaptive: AdaptiveDrafting | None = AdaptiveDrafting()):
+
+class SlotScheduler:
+  """Runs requests over the engine's slots until all are done.
+
+  `interleave_prefill`: a long prompt's chunks alternate with steps of the live slots (else
+  its whole prefill runs at once, stalling every stream meanwhile)."""
+
+  def __init__(self, engine: DecodeEngine, adaptive: AdaptiveDrafting | None = AdaptiveDrafting(),
+               *, interleave_prefill: bool = True):
     self.engine = engine
+    self.interleave_prefill = interleave_prefill
+    self.prefilling: _Prefilling | None = None
     self.adaptive = adaptive
     self.cost = DraftingCost.of(engine)
     self.batch_paused_steps = 0     # steps left in which no slot drafts (cost policy)
@@ -229,27 +245,50 @@ class SlotScheduler:
 
   @property
   def busy(self) -> bool:
-    return bool(self.waiting) or any(s is not None for s in self.slots)
+    return (bool(self.waiting) or self.prefilling is not None
+            or any(s is not None for s in self.slots))
 
   def _admit(self) -> None:
+    """Prefill waiting requests into free slots. A prompt of several chunks runs one chunk per
+    scheduler step (`interleave_prefill`), so the live slots keep decoding between its chunks;
+    requests behind it wait for it, in order."""
+    if self.prefilling is not None and not self._prefill_more(self.prefilling):
+      return
     for index, live in enumerate(self.slots):
       if live is not None or not self.waiting:
         continue
       request, done = self.waiting.popleft()
-      started = time.perf_counter()
-      try:
-        prefix = self.engine.prefill(request.prompt, request.sampler,
-                                     logprobs=request.logprobs)
-      except Exception as error:   # nothing of the state is touched yet: fail this one alone
-        raise RequestFailed(request, error) from error
-      self.state = self.engine.insert(prefix, self.state, index)
-      live = _Live(request=request, done=done, started=started)
-      live.counts["target_passes"] += 1
-      live.counts["committed_tokens"] += 1
-      first = int(np.asarray(prefix.current)[0])
-      live.first_token_s = time.perf_counter() - started
-      self.slots[index] = live
-      self._emit(index, [first], _token_logprobs(request, prefix.logprobs, 0, [first]))
+      pending = _Prefilling(index, request, done, time.perf_counter())
+      if not self._prefill_more(pending):
+        self.prefilling = pending
+        return
+
+  def _prefill_more(self, pending: "_Prefilling") -> bool:
+    """Run the next chunk of a pending prefill (every chunk without interleaving); once the
+    prompt is done, insert it into its slot and emit the first token. True when inserted."""
+    request = pending.request
+    try:   # nothing of the decode state is touched before the insert: fail this one alone
+      if pending.job is None:
+        pending.job = self.engine.start_prefill(request.prompt, request.sampler,
+                                                logprobs=request.logprobs)
+      while not self.engine.prefill_chunk(pending.job):
+        if self.interleave_prefill:
+          return False
+    except Exception as error:
+      self.prefilling = None
+      raise RequestFailed(request, error) from error
+    self.prefilling = None
+    prefix = pending.job.prefix
+    index = pending.slot
+    self.state = self.engine.insert(prefix, self.state, index)
+    live = _Live(request=request, done=pending.done, started=pending.started)
+    live.counts["target_passes"] += 1
+    live.counts["committed_tokens"] += 1
+    first = int(np.asarray(prefix.current)[0])
+    live.first_token_s = time.perf_counter() - pending.started
+    self.slots[index] = live
+    self._emit(index, [first], _token_logprobs(request, prefix.logprobs, 0, [first]))
+    return True
 
   def _emit(self, index: int, tokens: list[int],
             logprobs: list[TokenLogprob] | None = None) -> None:

@@ -106,3 +106,19 @@ class Prefix:
   head: HeadState | None
   current: np.ndarray
   logprobs: tuple | None = None      # the first token's, as a step's (engine_cfg.logprobs)
+
+
+@dataclasses.dataclass
+class PrefillJob:
+  """A prompt being prefilled chunk by chunk (`Engine.start_prefill`): one slot's caches so far
+  per stage, on the last stage the carry into the next chunk (h_{start-1}, the MTP KV), and
+  the (start, tokens, bucket) chunks still to run; `prefix` is set once the last one has run."""
+  prompt: np.ndarray
+  chunks: list[tuple[int, int, int]]
+  sampler: tuple
+  logprobs: bool
+  kv: list
+  carry: tuple | None
+  prefix: Prefix | None = None
+  save: tuple[int, bytes] | None = None   # (tokens, key) of the prefix to cache on the way
+  cached: int = 0                         # prompt tokens taken from the prefix cache

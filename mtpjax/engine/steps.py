@@ -91,27 +91,34 @@ def committed_logprobs(logits, tokens, top_n: int, want):
 
 
 def prefill_commit(model: CausalLM, engine_cfg: EngineConfig, tokens, hidden, length,
-                   sampler: tuple, want=False) -> tuple[HeadState, tuple | None]:
+                   sampler: tuple, want=False, *, start=0, before=None, mtp_kv=None
+                   ) -> tuple[HeadState, tuple | None]:
   """Sample the first token from the prompt's last hidden and, with MTP, draft the next one.
 
   `hidden` [1, bucket, D] is the post-norm trunk output of the prompt `tokens` [1, bucket].
-  Returns the head state and the first token's logprobs (`committed_logprobs`).
+  A chunk of a longer prompt (`chunked.py`) starts at position `start` with `length` of its
+  rows real; its MTP rows continue from `before` (h_{start-1}) on the prompt's `mtp_kv` so far.
+  Only the last chunk's sample and draft are used: an earlier chunk's pass leaves its
+  `h_prev` (the next chunk's `before`) and MTP rows, whose row past the chunk the next one
+  rewrites. Returns the head state and the first token's logprobs (`committed_logprobs`).
   """
   keys, temperature, top_k, top_p = sampler
-  positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+  index = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+  positions = start + index
   last = jax.lax.dynamic_index_in_dim(hidden, length - 1, axis=1, keepdims=False)  # [1, D]
   logits = model.lm_logits(last)
-  first = sample(logits, keys, length[None], temperature, top_k, top_p)
+  first = sample(logits, keys, (start + length)[None], temperature, top_k, top_p)
   head = empty_head(model.cfg, engine_cfg, 1, model.dtype, jnp.zeros)
   draft = jnp.zeros((1,), jnp.int32)
   if engine_cfg.native_mtp:
-    mtp_tokens = jax.lax.dynamic_update_index_in_dim(tokens, first, length, axis=1)
-    z, mtp_kv = model.mtp_hidden(mtp_tokens, previous_hidden(hidden), positions, head.mtp_kv)
+    mtp_tokens = jnp.where(index == length, first[:, None], tokens)
+    z, mtp_kv = model.mtp_hidden(mtp_tokens, previous_hidden(hidden, before), positions,
+                                 head.mtp_kv if mtp_kv is None else mtp_kv)
     z_last = jax.lax.dynamic_index_in_dim(z, length, axis=1, keepdims=False)
     draft = greedy_tokens(model.mtp_logits(z_last))
     head = head.replace(mtp_kv=mtp_kv)
   return head.replace(slots=Slots(
-      pos=length[None], current=first, draft=draft, h_prev=last, keys=keys,
+      pos=(start + length)[None], current=first, draft=draft, h_prev=last, keys=keys,
       temperature=temperature, top_k=top_k, top_p=top_p, mtp_lag=jnp.zeros((1,), jnp.int32))
   ), committed_logprobs(logits[:, None], first[:, None], engine_cfg.logprobs, want)
 

@@ -85,10 +85,12 @@ def stage_forward(model: CausalLM, inp, positions: jax.Array, kv: list
   return (model.final_norm(x) if model.layout.output else x), kv, selection
 
 
-def previous_hidden(hidden: jax.Array) -> jax.Array:
+def previous_hidden(hidden: jax.Array, before: jax.Array | None = None) -> jax.Array:
   """The MTP head's hidden input for every row of a sequence: row p gets h_{p-1}, row 0 zeros.
 
   This pairing (MODEL.md §7, llama.cpp's convention) is what makes MTP rows comparable with
-  llama.cpp's and keeps row 0 of the MTP KV cache well defined. hidden: [B, T, D].
+  llama.cpp's and keeps row 0 of the MTP KV cache well defined. hidden: [B, T, D]; `before`
+  [B, D]: the hidden before the first row when the rows continue a sequence (a prompt chunk).
   """
-  return jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
+  first = jnp.zeros_like(hidden[:, :1]) if before is None else before[:, None].astype(hidden.dtype)
+  return jnp.concatenate([first, hidden[:, :-1]], axis=1)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mtpjax.models import blockwise
+
 
 def gqa_cache_shapes(batch: int, kv_heads: int, head_dim: int, value_dim: int,
                      length: int) -> tuple[tuple, tuple]:
@@ -40,9 +42,34 @@ def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array,
   if pad:
     rows = jnp.pad(rows, [(0, pad)] + [(0, 0)] * (rows.ndim - 1))
     start = jnp.pad(start, (0, pad))
+  axis = seq_axis - 1
+  count = rows.shape[seq_axis]
   def one(c, r, s):
-    return jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), s, axis=seq_axis - 1)
+    r = r.astype(c.dtype)
+    if count >= PREFILL_ROWS:
+      r, s = _clipped_at_end(c, r, s, axis)
+    return jax.lax.dynamic_update_slice_in_dim(c, r, s, axis=axis)
   return jax.vmap(one)(cache, rows, start)
+
+
+# Writes of at least this many rows are prefill chunks (the smallest bucket is 16 rows), whose
+# padded tail may run past the cache end; a step's few rows never do (a sequence ends first).
+PREFILL_ROWS = 16
+
+
+def _clipped_at_end(cache: jax.Array, rows: jax.Array, start: jax.Array, axis: int):
+  """(rows, start) that write rows[i] at start + i while that is inside the cache and drop the
+  rest. dynamic_update_slice would instead move the whole write back to fit, over valid rows:
+  here the write moves back by the overflow d, its first d rows keep the cache's own rows and
+  the others are `rows` shifted by d."""
+  length, count = cache.shape[axis], rows.shape[axis]
+  fitted = jnp.clip(start, 0, length - count)
+  overflow = start - fitted
+  kept = jax.lax.dynamic_slice_in_dim(cache, fitted, count, axis=axis)
+  index = jnp.arange(count) - overflow
+  shifted = jnp.take(rows, jnp.clip(index, 0, count - 1), axis=axis)
+  mask = (index >= 0).reshape((1,) * axis + (count,) + (1,) * (rows.ndim - axis - 1))
+  return jnp.where(mask, shifted, kept), fitted
 
 
 def live_slots(cache: jax.Array, batch: int) -> jax.Array:
@@ -73,6 +100,14 @@ def append_rows(cache: jax.Array, rows: jax.Array, positions: jax.Array
   return live_slots(cache, rows.shape[0])[:, :, 0], cache
 
 
+def window_rows(cache: jax.Array, first, n: int, axis: int) -> jax.Array:
+  """Rows [first, first + n) along `axis`; the whole array, unsliced, when n covers it (a
+  full-length dynamic slice makes XLA:CPU copy the cache)."""
+  if n == cache.shape[axis]:
+    return cache
+  return jax.lax.dynamic_slice_in_dim(cache, first, n, axis=axis)
+
+
 def attention(cache: tuple[jax.Array, jax.Array], q: jax.Array, k: jax.Array, v: jax.Array,
               positions: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
   """Write the step's keys and values, then attend from `q` to cache rows j <= position (GQA).
@@ -88,16 +123,19 @@ def attention(cache: tuple[jax.Array, jax.Array], q: jax.Array, k: jax.Array, v:
   v_cache = write_head_rows(v_cache, v.transpose(0, 2, 3, 1), start, seq_axis=3)
   b, t, h, hd = q.shape
   keys, values = live_slots(k_cache, b), live_slots(v_cache, b)
-  hkv = keys.shape[1]
-  q = q.reshape(b, t, hkv, h // hkv, hd)
-  scores = jnp.einsum("btkgd,bksd->bkgts", q.astype(jnp.float32),
-                      keys.astype(jnp.float32)) / jnp.sqrt(jnp.float32(hd))
-  key_pos = jnp.arange(keys.shape[2])
-  visible = key_pos[None, None, None, None, :] <= positions[:, None, None, :, None]
-  scores = jnp.where(visible, scores, -jnp.inf)
-  probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bkgts,bkds->btkgd", probs, values.astype(jnp.float32))
-  return out.reshape(b, t, h, values.shape[2]).astype(q.dtype), (k_cache, v_cache)
+  hkv, vd = keys.shape[1], values.shape[2]
+  dtype = q.dtype
+  q = q.reshape(b, t, hkv, h // hkv, hd).astype(jnp.float32) / jnp.sqrt(jnp.float32(hd))
+  rows = lambda cache, first, n, axis: window_rows(cache, first, n, axis).astype(jnp.float32)
+  out = blockwise.attend(
+      lambda first, n: jnp.einsum("btkgd,bksd->bkgts", q, rows(keys, first, n, 2)),
+      lambda first, n: (first + jnp.arange(n))[None, None, None, None, :]
+      <= positions[:, None, None, :, None],
+      # Summed straight into [b, T, k, g, vd]: a transpose after it makes XLA:CPU copy the
+      # key cache of a one-slot step.
+      lambda first, n, probs: jnp.einsum("bkgts,bkds->btkgd", probs, rows(values, first, n, 3)),
+      positions, keys.shape[2], align=lambda a: a.transpose(0, 3, 1, 2))
+  return out.reshape(b, t, h, vd).astype(dtype), (k_cache, v_cache)
 
 
 def latent_attention(cache: jax.Array, row: jax.Array, q_lat: jax.Array, q_pe: jax.Array,
@@ -112,14 +150,22 @@ def latent_attention(cache: jax.Array, row: jax.Array, q_lat: jax.Array, q_pe: j
   """
   rows, cache = append_rows(cache, row, positions)
   kv_lora = q_lat.shape[-1]
-  rows = rows.astype(jnp.float32)
-  c, k_pe = rows[..., :kv_lora], rows[..., kv_lora:]
-  scores = (jnp.einsum("bthc,bsc->bhts", q_lat.astype(jnp.float32), c)
-            + jnp.einsum("bthr,bsr->bhts", q_pe.astype(jnp.float32), k_pe)) * scale
-  key_pos = jnp.arange(rows.shape[1])
-  visible = key_pos[None, None, :] <= positions[:, :, None]                     # [B, T, S]
-  if selected is not None:
-    visible = visible & selected
-  scores = jnp.where(visible[:, None], scores, -jnp.inf)
-  probs = jax.nn.softmax(scores, axis=-1)
-  return jnp.einsum("bhts,bsc->bthc", probs, c), cache
+  q_lat, q_pe = q_lat.astype(jnp.float32), q_pe.astype(jnp.float32)
+  window = lambda first, n: window_rows(rows, first, n, 1).astype(jnp.float32)
+
+  def scores(first, n):
+    block = window(first, n)
+    return (jnp.einsum("bthc,bsc->bhts", q_lat, block[..., :kv_lora])
+            + jnp.einsum("bthr,bsr->bhts", q_pe, block[..., kv_lora:])) * scale
+
+  def visible(first, n):
+    seen = (first + jnp.arange(n))[None, None, :] <= positions[:, :, None]       # [b, T, n]
+    if selected is not None:
+      seen = seen & window_rows(selected, first, n, 2)
+    return seen[:, None]
+
+  out = blockwise.attend(
+      scores, visible,
+      lambda first, n, probs: jnp.einsum("bhts,bsc->bthc", probs, window(first, n)[..., :kv_lora]),
+      positions, rows.shape[1], align=lambda a: a.transpose(0, 2, 1))
+  return out, cache

@@ -16,7 +16,7 @@ import uvicorn
 from absl import logging
 
 import mtpjax
-from mtpjax import distributed, embedded, errors, speculative
+from mtpjax import distributed, embedded, errors, speculative, warm_start
 from mtpjax.engine.contract import warm_up
 from mtpjax.engine.sampling import MAX_TOP_LOGPROBS
 from mtpjax.engine.scheduler import AdaptiveDrafting, SlotScheduler
@@ -33,13 +33,14 @@ __all__ = ["Service", "build_service", "create_app", "serve"]
 
 
 def _max_prompt_tokens(max_len: int, buckets: tuple[int, ...]) -> int:
-  """The longest prompt the engine accepts: a bucket must hold it plus one row (DECODE.md §2)."""
+  """The longest prompt the engine accepts: one short of the context, prefilled in chunks of
+  the largest bucket that fits the cache."""
   usable = [b for b in buckets if b <= max_len + 2]
   if not usable:
     raise errors.MtpjaxError(
         f"no prefill bucket in {buckets} fits engine.max_len {max_len}",
         field="engine.prefill_buckets", remedy="add a bucket no larger than engine.max_len + 2")
-  return min(max_len - 1, max(usable) - 1)
+  return max_len - 1
 
 
 def _warm_up(scheduler: SlotScheduler) -> float:
@@ -74,6 +75,9 @@ def build_service(config) -> Service:
                              field="engine.logprobs",
                              remedy=f"choose 0 (no logprobs) to {MAX_TOP_LOGPROBS}")
   source = embedded.resolve_source(config)
+  cache = warm_start.enable_compilation_cache(config)
+  if cache is not None:
+    logging.info("compilation cache: %s", cache)
   started = time.perf_counter()
   model = mtpjax.load(source, dtype=config.model.dtype, config=config)
   resolution = model.resolution
@@ -84,7 +88,8 @@ def build_service(config) -> Service:
   settings = model.generation_settings
   engine = model.engine(native_mtp=settings.native_mtp, slots=settings.slots,
                         max_len=settings.max_len, prefill_buckets=settings.prefill_buckets,
-                        timing=settings.timing, logprobs=int(engine_cfg.logprobs))
+                        timing=settings.timing, logprobs=int(engine_cfg.logprobs),
+                        prefix_cache=int(engine_cfg.prefix_cache))
   tokenizer = GgufTokenizer.from_metadata(model.metadata, path=source)
   chat_template = BudgetedChatTemplate.from_metadata(
       model.metadata, path=source,

@@ -211,9 +211,8 @@ class _Routes:
     n = len(prompt_ids)
     if n > s.max_prompt_tokens:
       raise ApiError(400, f"the prompt has {n} tokens but this server's context holds at most "
-                     f"{s.max_prompt_tokens} prompt tokens (engine.max_len {s.max_len}, "
-                     f"engine.prefill_buckets {list(s.settings.prefill_buckets)}); shorten "
-                     "the prompt", 
+                     f"{s.max_prompt_tokens} prompt tokens (engine.max_len {s.max_len}); "
+                     "shorten the prompt",
                      param=prompt_param, code="context_length_exceeded")
     room = s.max_len - n
     if budget is None:
