@@ -14,6 +14,8 @@ from typing import Any, Iterable, Mapping
 
 from absl import logging
 
+from mtpjax import draft_window
+from mtpjax.draft_window import DraftWindow
 from mtpjax.errors import PackageError, SpeculativeConfigError
 from mtpjax.package.manifest import Manifest, SpeculativeDecoding, WindowPolicy
 
@@ -64,6 +66,7 @@ class SpeculativeResolution:
   window_policy: dict | None
   disabled_by_env: bool
   reason: str
+  draft_window: DraftWindow = DraftWindow()    # tokens a step drafts (draft_window.py)
 
 
 def env_allows_native_mtp(env: Mapping[str, str] | None = None) -> bool:
@@ -86,6 +89,7 @@ class _Candidate:
   flaw: str                    # why it cannot enable native MTP; "" when it qualifies
   layer_indices: tuple[int, ...]
   window_policy: WindowPolicy | None
+  name: str = ""               # the strategy id
 
 
 def _candidate(sd: SpeculativeDecoding, name: str) -> _Candidate | None:
@@ -108,8 +112,8 @@ def _candidate(sd: SpeculativeDecoding, name: str) -> _Candidate | None:
   elif not layers:
     flaw = "no layer_indices"
   else:
-    return _Candidate("", layers, strategy.window_policy)
-  return _Candidate(flaw + via, layers, strategy.window_policy)
+    return _Candidate("", layers, strategy.window_policy, name)
+  return _Candidate(flaw + via, layers, strategy.window_policy, name)
 
 
 def _package_default(sd: SpeculativeDecoding) -> tuple[_Candidate | None, str]:
@@ -186,14 +190,14 @@ def _policy_dict(policy: WindowPolicy | None) -> dict | None:
   return None if policy is None else dataclasses.asdict(policy)
 
 
-def _note_window_policy(model_id: str, policy: WindowPolicy | None) -> None:
-  """mtpjax drafts one token whatever the package's window says; say so once, at startup."""
+def _note_window_policy(model_id: str, policy: WindowPolicy | None, window: DraftWindow) -> None:
+  """Say once, at startup, which window mtpjax drafts with when it differs from the policy."""
   if policy is None:
     return
-  if (policy.default, policy.initial_window, policy.min_window, policy.max_window) != (
-      "fixed", 1, 1, 1):
-    logging.info("model %s: the package advertises window policy %s; mtpjax drafts exactly 1 "
-                 "token per step", model_id, dataclasses.asdict(policy))
+  if (policy.default == "adaptive", policy.initial_window, policy.min_window,
+      policy.max_window) != (window.adaptive, window.initial, window.min, window.max):
+    logging.info("model %s: the package advertises window policy %s; mtpjax drafts with %s",
+                 model_id, dataclasses.asdict(policy), window.as_dict())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +207,7 @@ class _Verdict:
   reason: str
   advertised: tuple[int, ...] = ()
   policy: WindowPolicy | None = None
+  strategy_id: str | None = None
 
 
 def _package_verdict(canonical: str, scope: str, model_id: str, source_path: str | None,
@@ -217,7 +222,7 @@ def _package_verdict(canonical: str, scope: str, model_id: str, source_path: str
     candidate, summary = (_package_default if canonical == AUTO else _package_named)(sd)
   if candidate is not None:
     return _Verdict(True, f"{canonical} (from {scope}): the package advertises {summary}",
-                    candidate.layer_indices, candidate.window_policy)
+                    candidate.layer_indices, candidate.window_policy, candidate.name)
   if canonical == AUTO:
     return _Verdict(False, f"auto (from {scope}): the package advertises {summary}, so native "
                     "MTP stays off")
@@ -256,11 +261,16 @@ def resolve_speculative(*, model_id: str, requested: str | None, scope: str, sou
                         manifest: Manifest | None, layer_count: int,
                         gguf_metadata: Mapping[str, Any], tensor_names: Iterable[str],
                         env: Mapping[str, str] | None = None,
-                        source_path: str | None = None) -> SpeculativeResolution:
-  """Applies the SPECULATIVE.md §4 matrix, the on-consistency check and the §5 kill switch.
+                        source_path: str | None = None, max_draft_tokens: int | None = None,
+                        max_draft_tokens_field: str = "speculative.max_draft_tokens"
+                        ) -> SpeculativeResolution:
+  """Applies the SPECULATIVE.md §4 matrix, the on-consistency check and the §5 kill switch,
+  and the draft window (`draft_window.resolve_window`; `max_draft_tokens` from the config
+  field `max_draft_tokens_field`).
 
   `requested` None means nothing was set (built-in auto). `source_path` only enriches errors.
   """
+  draft_window.check_max_draft_tokens(max_draft_tokens, max_draft_tokens_field)
   if source_kind != PACKAGE and source_kind not in DIRECT_GGUF_KINDS:
     raise ValueError(f"source_kind must be package, gguf or split-gguf; got {source_kind!r}")
   if source_kind == PACKAGE and manifest is None:
@@ -280,14 +290,19 @@ def resolve_speculative(*, model_id: str, requested: str | None, scope: str, sou
   # The switch is read after resolution, so a bad configuration still fails loudly when it is off.
   allows = env_allows_native_mtp(env)
   effective = verdict.on and allows
+  window = DraftWindow()
+  if verdict.on:
+    window = draft_window.resolve_window(verdict.strategy_id, verdict.policy, max_draft_tokens,
+                                         max_draft_tokens_field, model_id)
   if effective:
-    _note_window_policy(model_id, verdict.policy)
+    _note_window_policy(model_id, verdict.policy, window)
   reason = verdict.reason if allows else f"{verdict.reason}; {ENV_VAR} turns native MTP off"
   return SpeculativeResolution(
       model_id=model_id, requested=canonical, scope=scope, native_mtp=effective,
       mtp_layer_index=layer_index if effective else None,
       window_policy=_policy_dict(verdict.policy) if effective else None,
-      disabled_by_env=not allows, reason=reason)
+      disabled_by_env=not allows, reason=reason,
+      draft_window=window if effective else DraftWindow())
 
 
 def _config_value(config: Any, keys: tuple[str, ...]) -> Any:
@@ -319,14 +334,28 @@ def strategy_from_config(config: Any, model_name: str) -> tuple[str, str]:
   return AUTO, BUILTIN_SCOPE
 
 
+def max_draft_tokens_from_config(config: Any, model_name: str) -> tuple[int | None, str]:
+  """(`speculative.max_draft_tokens`, its field): per-model beats defaults; every value that is
+  set is checked (`draft_window.check_max_draft_tokens`), as `strategy_from_config` does."""
+  found = [(draft_window.check_max_draft_tokens(_config_value(config, keys), field), field)
+           for keys, field in (
+               (("models", model_name, "speculative", "max_draft_tokens"),
+                f"models.{model_name}.speculative.max_draft_tokens"),
+               (("defaults", "speculative", "max_draft_tokens"),
+                "defaults.speculative.max_draft_tokens"))]
+  return next(((value, field) for value, field in found if value is not None), found[-1])
+
+
 def resolve_for_source(config: Any, model_name: str, source: Any,
                        env: Mapping[str, str] | None = None) -> SpeculativeResolution:
   """Resolution for an opened source (kind, manifest, metadata, tensors, layer_count, path)."""
   requested, scope = strategy_from_config(config, model_name)
+  max_draft_tokens, field = max_draft_tokens_from_config(config, model_name)
   manifest = source.manifest
   path = None if source.path is None else str(source.path)
   model_id = manifest.model_id if manifest is not None else (path or model_name)
   return resolve_speculative(
       model_id=model_id, requested=requested, scope=scope, source_kind=source.kind,
       manifest=manifest, layer_count=source.layer_count, gguf_metadata=source.metadata,
-      tensor_names=source.tensors.keys(), env=env, source_path=path)
+      tensor_names=source.tensors.keys(), env=env, source_path=path,
+      max_draft_tokens=max_draft_tokens, max_draft_tokens_field=field)

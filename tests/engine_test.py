@@ -238,7 +238,7 @@ class MtpEngineTest(parameterized.TestCase):
       np.testing.assert_allclose(rows(cached, slot, mtp_rows), rows(fresh, 0, mtp_rows),
                                  atol=ATOL, rtol=ATOL, err_msg=f"MTP {name} rows 0..{mtp_rows}")
     if check_draft:
-      self.assertEqual(int(state.draft[slot]), int(np.argmax(mtp_logits[0, pos])))
+      self.assertEqual(int(state.draft[slot, 0]), int(np.argmax(mtp_logits[0, pos])))
 
   def prefill_both(self, engine):
     """Both prompts prefilled into slots 0 and 1: (state, tokens emitted per slot)."""
@@ -263,7 +263,7 @@ class MtpEngineTest(parameterized.TestCase):
       for slot, kind in enumerate(kinds):
         target = self.reference[slot][len(emitted[slot])]   # the token t_a will be
         if kind != "natural":
-          drafts[slot] = target if kind == "accept" else (target + 1) % 500
+          drafts[slot, 0] = target if kind == "accept" else (target + 1) % 500
       # Placed as the state's own arrays are, so the step sees the shapes and shardings it
       # was compiled for.
       drafts = jax.device_put(drafts, group.head.slots.draft.sharding)
@@ -399,8 +399,10 @@ class MtpEngineTest(parameterized.TestCase):
                                prefill_buckets=(16,))
     group = engine.init_state().groups[0]
     active = np.ones(1, bool)
-    hlo = engine._steps[step][0].lower(engine._leaves[0], None, group.kv[0], group.head, active,
-                                       active if native_mtp else None, np.bool_(False)
+    fns = engine._draft_steps[1] if step == "verify_draft" else engine._steps[step]
+    hlo = fns[0].lower(engine._leaves[0], None, group.kv[0], group.head, active,
+                                       active.astype(np.int32) if native_mtp else None,
+                                       np.bool_(False)
                                        ).compile().as_text()
     copied = {tuple(int(d) for d in dims.split(",") if d)
               for dims in re.findall(r"= \w+\[([\d,]*)\]\S* copy\(", hlo)}
