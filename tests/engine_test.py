@@ -17,7 +17,7 @@ from absl.testing import absltest, parameterized
 from flax import nnx
 
 import mtpjax
-from mtpjax.engine.contract import ACCEPTED, COUNT, TOKEN_A, TOKEN_B, warm_up
+from mtpjax.engine.contract import ACCEPTED, COUNT, TOKEN_A, TOKEN_B, committed_tokens, warm_up
 from mtpjax.engine.scheduler import AdaptiveDrafting, Request, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.engine.state import CATCH_UP_ROWS
@@ -60,6 +60,18 @@ def scratch_passes(graphdef, params, tokens):
   z, mtp_kv = model.mtp_hidden(tokens, prev, positions,
                                init_kv(cfg, 1, 1, length, jnp.float32)[0])
   return hidden, kv, mtp_kv, model.mtp_logits(z)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def scratch_mtp_rows(graphdef, params, tokens, prev):
+  """The NextN block from scratch over one padded sequence of MTP rows (token, hidden): draft
+  logits and the block's output before its head norm (what a draft chain feeds back)."""
+  model = nnx.merge(graphdef, params)
+  length = tokens.shape[1]
+  positions = jnp.arange(length, dtype=jnp.int32)[None]
+  z, y, _ = model.mtp_rows(tokens, prev, positions,
+                           init_kv(model.cfg, 1, 1, length, jnp.float32)[0])
+  return model.mtp_logits(z), y
 
 
 def view(state):
@@ -239,6 +251,52 @@ class MtpEngineTest(parameterized.TestCase):
                                  atol=ATOL, rtol=ATOL, err_msg=f"MTP {name} rows 0..{mtp_rows}")
     if check_draft:
       self.assertEqual(int(state.draft[slot, 0]), int(np.argmax(mtp_logits[0, pos])))
+
+  def scratch_chain(self, committed: list[int], depth: int) -> list[int]:
+    """The draft chain after `committed`, each draft from a fresh NextN pass over the whole
+    sequence whose rows past the last committed one are (draft, the previous row's y)."""
+    pos = len(committed) - 1
+    tokens = np.zeros((1, self.MAX_LEN), np.int32)
+    tokens[0, :pos + 1] = committed
+    hidden = np.asarray(scratch_passes(self.graphdef, self.params, jnp.asarray(tokens))[0])
+    prev = np.zeros_like(hidden)
+    prev[0, 1:pos + 1] = hidden[0, :pos]
+    chain = []
+    for i in range(depth):
+      logits, y = scratch_mtp_rows(self.graphdef, self.params, jnp.asarray(tokens),
+                                   jnp.asarray(prev))
+      chain.append(int(np.argmax(logits[0, pos + i])))
+      tokens[0, pos + i + 1] = chain[-1]
+      prev[0, pos + i + 1] = y[0, pos + i]
+    return chain
+
+  def test_multi_token_chains_keep_output_and_caches(self):
+    """Windows of 3 with 0..3 right drafts injected: the committed tokens, the trunk and MTP
+    caches and the whole next chain match from-scratch passes, after accepted and rejected
+    chains alike."""
+    engine = self.model.engine(native_mtp=True, slots=2, max_len=self.MAX_LEN,
+                               prefill_buckets=(16, 32), draft_tokens=3)
+    state, emitted = self.prefill_both(engine)
+    for step in range(7):
+      right = [(step + slot) % 4 for slot in range(2)]
+      group = state.groups[0]
+      drafts = np.asarray(group.head.slots.draft).copy()
+      for slot in range(2):
+        target = self.reference[slot][len(emitted[slot]):][:3]
+        drafts[slot] = [t if i < right[slot] else (t + 1) % 500 for i, t in enumerate(target)]
+      group.head = group.head.replace(slots=group.head.slots.replace(
+          draft=jax.device_put(drafts, group.head.slots.draft.sharding)))
+      state, result, _ = engine.step(state, np.ones(2, bool), np.full(2, 3, np.int32))
+      for slot in range(2):
+        self.assertEqual((result[slot][COUNT], result[slot][ACCEPTED]),
+                         (right[slot] + 1, right[slot]))
+        emitted[slot] += committed_tokens(result[slot])
+        committed = list(self.prompts[slot]) + emitted[slot]
+        self.check_state_against_scratch(state, slot, committed)
+        self.assertEqual(np.asarray(view(state)[0].draft[slot]).tolist(),
+                         self.scratch_chain(committed, 3), f"step {step} slot {slot}")
+    for slot in range(2):
+      self.assertEqual(emitted[slot], self.reference[slot][:len(emitted[slot])])
 
   def prefill_both(self, engine):
     """Both prompts prefilled into slots 0 and 1: (state, tokens emitted per slot)."""
