@@ -87,10 +87,15 @@ class MtpStats:
     return self.committed_tokens / self.target_passes if self.target_passes else 0.0
 
   @property
+  def verified_windows(self) -> int:
+    """Verify steps: windows reaching draft position 1 (one verification each for n = 1)."""
+    return self.verified_by_position[0] if self.verified_by_position else self.verifications
+
+  @property
   def tokens_per_verify(self) -> float:
     """Tokens a verified window yields: 1 + accepted drafts per window (for n = 1, 1 + the
-    accept rate). Windows are counted at draft position 1, or as verifications without them."""
-    windows = self.verified_by_position[0] if self.verified_by_position else self.verifications
+    accept rate)."""
+    windows = self.verified_windows
     return 1.0 + (self.accepted / windows if windows else 0.0)
 
   @property

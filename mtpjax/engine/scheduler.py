@@ -230,6 +230,7 @@ class SlotScheduler:
           f"(draft_tokens {top})", field="engine.draft_tokens",
           remedy="build the engine with draft_tokens = the window's max")
     self.window_cap = self.window.max   # the cost policy's cap on every slot's window
+    self.window_in_use = 0.0            # the last step's mean draft window over live slots
     self._cap_gain: dict[int, float] = {}
     self.cost = DraftingCost.of(engine)
     self.batch_paused_steps = 0     # steps left in which no slot drafts (cost policy)
@@ -349,6 +350,7 @@ class SlotScheduler:
     # False and the engine ignores the windows.
     windows = [min(s.window, self.window_cap) if s is not None and drafted else 0
                for s in self.slots]
+    self.window_in_use = sum(windows) / sum(occupied)
     self.state, result, info = self.engine.step(
         self.state, active, np.array(windows, np.int32), logprobs=wants)
     for index, (live, row) in enumerate(zip(self.slots, result.tolist())):
