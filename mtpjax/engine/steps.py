@@ -105,9 +105,16 @@ def fresh_forward(model: CausalLM, inp, cache_len: int) -> tuple[jax.Array, list
 def fresh_mtp_hidden(model: CausalLM, tokens, prev_hidden) -> jax.Array:
   """The NextN block over whole sequences [B, T] from position 0 on an empty cache (rows as
   `interface.previous_hidden` pairs them); its normed output z."""
+  return fresh_mtp_rows(model, tokens, prev_hidden)[0]
+
+
+def fresh_mtp_rows(model: CausalLM, tokens, prev_hidden) -> tuple[jax.Array, jax.Array]:
+  """`fresh_mtp_hidden`'s (z, y): also the output before the head norm a draft chain feeds
+  back (`CausalLM.mtp_rows`)."""
   batch, length = tokens.shape
   mtp_kv = registry.init_cache(model.cfg, 1, batch, length, model.dtype)[0]
-  return model.mtp_hidden(tokens, prev_hidden, _sequence_positions(batch, length), mtp_kv)[0]
+  z, y, _ = model.mtp_rows(tokens, prev_hidden, _sequence_positions(batch, length), mtp_kv)
+  return z, y
 
 
 def committed_logprobs(logits, tokens, top_n: int, want):
