@@ -271,12 +271,13 @@ class MtpEngineTest(parameterized.TestCase):
     return chain
 
   def test_multi_token_chains_keep_output_and_caches(self):
-    """Windows of 3 with 0..3 right drafts injected: the committed tokens, the trunk and MTP
-    caches and the whole next chain match from-scratch passes, after accepted and rejected
-    chains alike."""
+    """Windows of 3 (slot 0) and 2 (slot 1, padded into the same step) with 0..window right
+    drafts injected: the committed tokens, the trunk and MTP caches and the whole next chain
+    match from-scratch passes, after accepted and rejected chains alike."""
     engine = self.model.engine(native_mtp=True, slots=2, max_len=self.MAX_LEN,
                                prefill_buckets=(16, 32), draft_tokens=3)
     state, emitted = self.prefill_both(engine)
+    windows = np.array([3, 2], np.int32)
     for step in range(7):
       right = [(step + slot) % 4 for slot in range(2)]
       group = state.groups[0]
@@ -286,10 +287,10 @@ class MtpEngineTest(parameterized.TestCase):
         drafts[slot] = [t if i < right[slot] else (t + 1) % 500 for i, t in enumerate(target)]
       group.head = group.head.replace(slots=group.head.slots.replace(
           draft=jax.device_put(drafts, group.head.slots.draft.sharding)))
-      state, result, _ = engine.step(state, np.ones(2, bool), np.full(2, 3, np.int32))
+      state, result, _ = engine.step(state, np.ones(2, bool), windows)
       for slot in range(2):
-        self.assertEqual((result[slot][COUNT], result[slot][ACCEPTED]),
-                         (right[slot] + 1, right[slot]))
+        accepted = min(right[slot], windows[slot])     # a window caps what it accepts
+        self.assertEqual((result[slot][COUNT], result[slot][ACCEPTED]), (accepted + 1, accepted))
         emitted[slot] += committed_tokens(result[slot])
         committed = list(self.prompts[slot]) + emitted[slot]
         self.check_state_against_scratch(state, slot, committed)
