@@ -224,7 +224,7 @@ class SlotScheduler:
     self.adaptive = adaptive
     top = engine.engine_cfg.draft_tokens
     self.window = DraftWindow.fixed(top) if window is None else window
-    if self.window.max > top:
+    if self.native_mtp and self.window.max > top:
       raise errors.MtpjaxError(
           f"a draft window of up to {self.window.max} tokens needs an engine compiled for it "
           f"(draft_tokens {top})", field="engine.draft_tokens",
