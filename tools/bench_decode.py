@@ -121,9 +121,9 @@ def _timed_run(engine, requests: list[Request], adaptive: AdaptiveDrafting | Non
 
 
 def _drafting_share(results: list[Result]) -> float:
-  """Fraction of target passes that verified a draft (adaptive drafting pauses the rest)."""
+  """Fraction of target passes that verified drafts (adaptive drafting pauses the rest)."""
   total = MtpStats.total(r.stats for r in results)
-  return total.verifications / max(total.target_passes, 1)
+  return total.verified_windows / max(total.target_passes, 1)
 
 
 def _step_ms(results: list[Result]) -> float:
