@@ -29,7 +29,8 @@ VARIANTS = ("tiny",) + tuple(_REAL_VARIANTS)
 
 def _speculative() -> ml_collections.ConfigDict:
   """Unset (None) differs from "": None falls through to the next scope (SPECULATIVE.md §2)."""
-  return ml_collections.ConfigDict({"strategy": config_dict.placeholder(str)})
+  return ml_collections.ConfigDict({"strategy": config_dict.placeholder(str),
+                                    "max_draft_tokens": config_dict.placeholder(int)})
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from mtpjax import checkpoint, errors, loading, runtime_options, sharding, speculative, text
+from mtpjax.draft_window import DraftWindow
 from mtpjax.engine.contract import EngineConfig, pow2_bucket
 from mtpjax.engine.engine import Engine
 from mtpjax.engine.pipeline_hops import LocalHops
@@ -248,11 +249,12 @@ class Model:
 
   def engine(self, *, native_mtp: bool, slots: int = 1, max_len: int = 512,
              prefill_buckets: Sequence[int] | None = None, timing: bool = False,
-             logprobs: int = 0, prefix_cache: int = 0) -> Engine:
+             logprobs: int = 0, prefix_cache: int = 0, draft_tokens: int = 1) -> Engine:
     """A compiled engine, cached by its settings so repeated calls reuse the compiled steps.
-    `prefix_cache`: prompt prefixes kept for reuse (0: none)."""
+    `prefix_cache`: prompt prefixes kept for reuse (0: none); `draft_tokens`: the deepest
+    draft window its steps verify (native MTP)."""
     settings = dict(slots=slots, native_mtp=native_mtp, timing=timing, logprobs=logprobs,
-                    prefix_cache=prefix_cache)
+                    prefix_cache=prefix_cache, draft_tokens=draft_tokens if native_mtp else 1)
     engine_cfg = (EngineConfig(max_len=max_len, prefill_buckets=tuple(prefill_buckets),
                                **settings)
                   if prefill_buckets else
@@ -266,25 +268,29 @@ class Model:
   def generate(self, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids=(),
                speculative: str | None = None, timing: bool = False,
-               adaptive_drafting: bool = True, logprobs: bool = False) -> Result:
+               adaptive_drafting: bool = True, logprobs: bool = False,
+               draft_window: DraftWindow | None = None) -> Result:
     """Decode one prompt; `Result.tokens` and `Result.stats` (MTP counters).
 
     `logprobs`: `Result.logprobs` holds each token's logprob and top MAX_TOP_LOGPROBS.
 
     With `adaptive_drafting`, MTP pauses while its drafts keep being rejected (see
-    `AdaptiveDrafting`); the tokens are the same either way.
+    `AdaptiveDrafting`); the tokens are the same either way. `draft_window`: drafts per step
+    (default: the resolved strategy's window).
     """
+    resolution = self.resolution if speculative is None else self.resolve(speculative)
     native_mtp = (self.generation_settings.native_mtp if speculative is None
-                  else self.resolve(speculative).native_mtp)
+                  else resolution.native_mtp)
+    window = resolution.draft_window if draft_window is None else draft_window
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     max_len = max(128, pow2_bucket(prompt.size + max_new_tokens + 1))
     engine = self.engine(native_mtp=native_mtp, max_len=max_len, timing=timing,
-                         logprobs=MAX_TOP_LOGPROBS if logprobs else 0)
+                         logprobs=MAX_TOP_LOGPROBS if logprobs else 0, draft_tokens=window.max)
     request = Request(prompt=prompt, max_new_tokens=int(max_new_tokens),
                       sampler=SamplerParams(temperature, top_k, top_p, seed),
                       stop_ids=frozenset(int(t) for t in stop_ids), logprobs=logprobs)
     policy = AdaptiveDrafting() if adaptive_drafting else None
-    return SlotScheduler(engine, adaptive=policy).run([request])[0]
+    return SlotScheduler(engine, adaptive=policy, window=window).run([request])[0]
 
 
 class PipelinedModel(Model):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from mtpjax.draft_window import DraftWindow
 from mtpjax.speculative import SpeculativeResolution
 
 
@@ -32,6 +33,7 @@ class GenerationSettings:
   speculative_strategy: str
   speculative_reason: str
   speculative_type: str = "off"    # what drafts: native-mtp, ngram-*, composite, or off
+  draft_window: DraftWindow = DraftWindow()    # the engine compiles for its max
 
 
 def consumers_from_resolution(
@@ -44,5 +46,6 @@ def consumers_from_resolution(
       native_mtp=flag, max_len=int(max_len), slots=int(slots),
       prefill_buckets=tuple(int(b) for b in prefill_buckets), timing=bool(timing),
       speculative_strategy=resolution.requested, speculative_reason=resolution.reason,
-      speculative_type=resolution.strategy_type or "off")
+      speculative_type=resolution.strategy_type or "off",
+      draft_window=resolution.draft_window)
   return ModelLoadOptions(dtype=dtype, native_mtp=flag), settings

@@ -16,6 +16,8 @@ from typing import Any, Iterable, Mapping
 
 from absl import logging
 
+from mtpjax import draft_window
+from mtpjax.draft_window import DraftWindow
 from mtpjax.errors import PackageError, SpeculativeConfigError
 from mtpjax.package import generation_rules
 from mtpjax.package.manifest import (ExtensionPolicy, Manifest, Proposer, SpeculativeDecoding,
@@ -114,6 +116,7 @@ class SpeculativeResolution:
   strategy_id: str | None = None         # the package strategy served, when one is
   ngram: NgramSettings | None = None
   extension: ExtensionSettings | None = None
+  draft_window: DraftWindow = DraftWindow()    # tokens a step drafts (draft_window.py)
 
   def summary(self) -> dict:
     """What drafts, for /v1/models and the startup log."""
@@ -143,6 +146,7 @@ class _Candidate:
   flaw: str                    # why it cannot enable native MTP; "" when it qualifies
   layer_indices: tuple[int, ...]
   window_policy: WindowPolicy | None
+  name: str = ""               # the strategy id
 
 
 def _candidate(sd: SpeculativeDecoding, name: str, *,
@@ -169,8 +173,8 @@ def _candidate(sd: SpeculativeDecoding, name: str, *,
   elif not layers:
     flaw = "no layer_indices"
   else:
-    return _Candidate("", layers, strategy.window_policy)
-  return _Candidate(flaw + via, layers, strategy.window_policy)
+    return _Candidate("", layers, strategy.window_policy, name)
+  return _Candidate(flaw + via, layers, strategy.window_policy, name)
 
 
 def _advertised(strategy: Strategy) -> str:
@@ -288,14 +292,14 @@ def _policy_dict(policy: WindowPolicy | None) -> dict | None:
   return None if policy is None else dataclasses.asdict(policy)
 
 
-def _note_window_policy(model_id: str, policy: WindowPolicy | None) -> None:
-  """mtpjax drafts one token whatever the package's window says; say so once, at startup."""
+def _note_window_policy(model_id: str, policy: WindowPolicy | None, window: DraftWindow) -> None:
+  """Say once, at startup, which window mtpjax drafts with when it differs from the policy."""
   if policy is None:
     return
-  if (policy.default, policy.initial_window, policy.min_window, policy.max_window) != (
-      "fixed", 1, 1, 1):
-    logging.info("model %s: the package advertises window policy %s; mtpjax drafts exactly 1 "
-                 "token per step", model_id, dataclasses.asdict(policy))
+  if (policy.default == "adaptive", policy.initial_window, policy.min_window,
+      policy.max_window) != (window.adaptive, window.initial, window.min, window.max):
+    logging.info("model %s: the package advertises window policy %s; mtpjax drafts with %s",
+                 model_id, dataclasses.asdict(policy), window.as_dict())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,13 +482,18 @@ def resolve_speculative(*, model_id: str, requested: str | None, scope: str, sou
                         manifest: Manifest | None, layer_count: int,
                         gguf_metadata: Mapping[str, Any], tensor_names: Iterable[str],
                         env: Mapping[str, str] | None = None,
-                        source_path: str | None = None) -> SpeculativeResolution:
-  """Applies the SPECULATIVE.md §4 matrix, the on-consistency check and the §5 kill switch.
+                        source_path: str | None = None, max_draft_tokens: int | None = None,
+                        max_draft_tokens_field: str = "speculative.max_draft_tokens"
+                        ) -> SpeculativeResolution:
+  """Applies the SPECULATIVE.md §4 matrix, the on-consistency check and the §5 kill switch,
+  and the draft window (`draft_window.resolve_window`; `max_draft_tokens` from the config
+  field `max_draft_tokens_field`).
 
   `requested` None means nothing was set (built-in auto). `source_path` only enriches errors.
   The kill switch turns native MTP off; n-gram drafting does not use the head and stays (a
   composite keeps its extender, drafting alone).
   """
+  draft_window.check_max_draft_tokens(max_draft_tokens, max_draft_tokens_field)
   if source_kind != PACKAGE and source_kind not in DIRECT_GGUF_KINDS:
     raise ValueError(f"source_kind must be package, gguf or split-gguf; got {source_kind!r}")
   if source_kind == PACKAGE and manifest is None:
@@ -507,8 +516,12 @@ def resolve_speculative(*, model_id: str, requested: str | None, scope: str, sou
   # The switch is read after resolution, so a bad configuration still fails loudly when it is off.
   allows = env_allows_native_mtp(env)
   effective = verdict.on and allows
+  window = DraftWindow()
+  if verdict.on:
+    window = draft_window.resolve_window(verdict.strategy_id, verdict.policy, max_draft_tokens,
+                                         max_draft_tokens_field, model_id)
   if effective:
-    _note_window_policy(model_id, verdict.policy)
+    _note_window_policy(model_id, verdict.policy, window)
   reason = verdict.reason
   if not allows:
     extender_left = verdict.on and verdict.ngram is not None
@@ -521,7 +534,8 @@ def resolve_speculative(*, model_id: str, requested: str | None, scope: str, sou
       window_policy=_policy_dict(verdict.policy) if drafting else None,
       disabled_by_env=not allows, reason=reason, strategy_type=drafting,
       strategy_id=verdict.strategy_id if drafting else None, ngram=verdict.ngram,
-      extension=verdict.extension if effective else None)
+      extension=verdict.extension if effective else None,
+      draft_window=window if effective else DraftWindow())
 
 
 def _config_value(config: Any, keys: tuple[str, ...]) -> Any:
@@ -553,14 +567,28 @@ def strategy_from_config(config: Any, model_name: str) -> tuple[str, str]:
   return AUTO, BUILTIN_SCOPE
 
 
+def max_draft_tokens_from_config(config: Any, model_name: str) -> tuple[int | None, str]:
+  """(`speculative.max_draft_tokens`, its field): per-model beats defaults; every value that is
+  set is checked (`draft_window.check_max_draft_tokens`), as `strategy_from_config` does."""
+  found = [(draft_window.check_max_draft_tokens(_config_value(config, keys), field), field)
+           for keys, field in (
+               (("models", model_name, "speculative", "max_draft_tokens"),
+                f"models.{model_name}.speculative.max_draft_tokens"),
+               (("defaults", "speculative", "max_draft_tokens"),
+                "defaults.speculative.max_draft_tokens"))]
+  return next(((value, field) for value, field in found if value is not None), found[-1])
+
+
 def resolve_for_source(config: Any, model_name: str, source: Any,
                        env: Mapping[str, str] | None = None) -> SpeculativeResolution:
   """Resolution for an opened source (kind, manifest, metadata, tensors, layer_count, path)."""
   requested, scope = strategy_from_config(config, model_name)
+  max_draft_tokens, field = max_draft_tokens_from_config(config, model_name)
   manifest = source.manifest
   path = None if source.path is None else str(source.path)
   model_id = manifest.model_id if manifest is not None else (path or model_name)
   return resolve_speculative(
       model_id=model_id, requested=requested, scope=scope, source_kind=source.kind,
       manifest=manifest, layer_count=source.layer_count, gguf_metadata=source.metadata,
-      tensor_names=source.tensors.keys(), env=env, source_path=path)
+      tensor_names=source.tensors.keys(), env=env, source_path=path,
+      max_draft_tokens=max_draft_tokens, max_draft_tokens_field=field)

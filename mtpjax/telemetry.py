@@ -39,11 +39,15 @@ class MtpStats:
   committed_tokens: int = 0
   proposal_compute_us: int = 0
   verification_compute_us: int = 0
+  # Per draft position i: verified windows that reached it, and those that accepted it.
+  verified_by_position: tuple[int, ...] = ()
+  accepted_by_position: tuple[int, ...] = ()
 
   @classmethod
   def from_counts(cls, *, native_mtp: bool, drafted: Any, accepted: Any, rejected: Any,
                   target_passes: Any, committed_tokens: Any, proposal_compute_us: Any = 0,
-                  verification_compute_us: Any = 0) -> MtpStats:
+                  verification_compute_us: Any = 0, verified_by_position: Iterable = (),
+                  accepted_by_position: Iterable = ()) -> MtpStats:
     """From reduced device counters (numpy or Python integers)."""
     counts = {"drafted": drafted, "accepted": accepted, "rejected": rejected,
               "target_passes": target_passes, "committed_tokens": committed_tokens}
@@ -55,7 +59,15 @@ class MtpStats:
       raise ValueError(f"accepted + rejected exceeds drafted: {ints}")
     return cls(native_mtp=bool(native_mtp), **ints,
                proposal_compute_us=clamp_duration_us(proposal_compute_us),
-               verification_compute_us=clamp_duration_us(verification_compute_us))
+               verification_compute_us=clamp_duration_us(verification_compute_us),
+               verified_by_position=tuple(int(n) for n in verified_by_position),
+               accepted_by_position=tuple(int(n) for n in accepted_by_position))
+
+  @property
+  def accept_rate_by_position(self) -> list[float]:
+    """Per draft position: accepted / verified windows that reached it (0 where none did)."""
+    return [a / v if v else 0.0
+            for a, v in zip(self.accepted_by_position, self.verified_by_position)]
 
   @property
   def verifications(self) -> int:
@@ -75,9 +87,16 @@ class MtpStats:
     return self.committed_tokens / self.target_passes if self.target_passes else 0.0
 
   @property
+  def verified_windows(self) -> int:
+    """Verify steps: windows reaching draft position 1 (one verification each for n = 1)."""
+    return self.verified_by_position[0] if self.verified_by_position else self.verifications
+
+  @property
   def tokens_per_verify(self) -> float:
-    """For n = 1 the only per-position figure: each verify yields 1 + P(accept) tokens."""
-    return 1.0 + self.accept_rate
+    """Tokens a verified window yields: 1 + accepted drafts per window (for n = 1, 1 + the
+    accept rate)."""
+    windows = self.verified_windows
+    return 1.0 + (self.accepted / windows if windows else 0.0)
 
   @property
   def enabled(self) -> bool:
@@ -92,7 +111,9 @@ class MtpStats:
         target_passes=self.target_passes + other.target_passes,
         committed_tokens=self.committed_tokens + other.committed_tokens,
         proposal_compute_us=self.proposal_compute_us + other.proposal_compute_us,
-        verification_compute_us=self.verification_compute_us + other.verification_compute_us)
+        verification_compute_us=self.verification_compute_us + other.verification_compute_us,
+        verified_by_position=_summed(self.verified_by_position, other.verified_by_position),
+        accepted_by_position=_summed(self.accepted_by_position, other.accepted_by_position))
 
   @classmethod
   def total(cls, stats: Iterable[MtpStats]) -> MtpStats:
@@ -117,8 +138,21 @@ class MtpStats:
         "committed_tokens": self.committed_tokens,
         "tokens_per_target_pass": self.tokens_per_target_pass,
         "tokens_per_verify": self.tokens_per_verify,
+        "accept_rate_by_position": self.accept_rate_by_position,
     }
 
   def as_metrics(self) -> dict[str, float]:
-    """`/metrics` names (`mtpjax_native_mtp_<name>`) with numeric values."""
-    return {METRIC_PREFIX + name: float(value) for name, value in self.as_dict().items()}
+    """`/metrics` names (`mtpjax_native_mtp_<name>`) with numeric values; per-position
+    acceptance as `..._accept_rate_position_<i>` (1-based), one per draft position seen."""
+    metrics = {METRIC_PREFIX + name: float(value) for name, value in self.as_dict().items()
+               if name != "accept_rate_by_position"}
+    for i, rate in enumerate(self.accept_rate_by_position, 1):
+      metrics[f"{METRIC_PREFIX}accept_rate_position_{i}"] = rate
+    return metrics
+
+
+def _summed(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+  """Element-wise sum of two per-position counts of possibly different depths."""
+  width = max(len(a), len(b))
+  pad = lambda t: tuple(t) + (0,) * (width - len(t))
+  return tuple(x + y for x, y in zip(pad(a), pad(b)))

@@ -17,7 +17,7 @@ from absl.testing import absltest, parameterized
 from flax import nnx
 
 import mtpjax
-from mtpjax.engine.contract import ACCEPTED, COUNT, TOKEN_A, TOKEN_B, warm_up
+from mtpjax.engine.contract import ACCEPTED, COUNT, TOKEN_A, TOKEN_B, committed_tokens, warm_up
 from mtpjax.engine.scheduler import AdaptiveDrafting, Request, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.engine.state import CATCH_UP_ROWS
@@ -60,6 +60,18 @@ def scratch_passes(graphdef, params, tokens):
   z, mtp_kv = model.mtp_hidden(tokens, prev, positions,
                                init_kv(cfg, 1, 1, length, jnp.float32)[0])
   return hidden, kv, mtp_kv, model.mtp_logits(z)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def scratch_mtp_rows(graphdef, params, tokens, prev):
+  """The NextN block from scratch over one padded sequence of MTP rows (token, hidden): draft
+  logits and the block's output before its head norm (what a draft chain feeds back)."""
+  model = nnx.merge(graphdef, params)
+  length = tokens.shape[1]
+  positions = jnp.arange(length, dtype=jnp.int32)[None]
+  z, y, _ = model.mtp_rows(tokens, prev, positions,
+                           init_kv(model.cfg, 1, 1, length, jnp.float32)[0])
+  return model.mtp_logits(z), y
 
 
 def view(state):
@@ -238,7 +250,54 @@ class MtpEngineTest(parameterized.TestCase):
       np.testing.assert_allclose(rows(cached, slot, mtp_rows), rows(fresh, 0, mtp_rows),
                                  atol=ATOL, rtol=ATOL, err_msg=f"MTP {name} rows 0..{mtp_rows}")
     if check_draft:
-      self.assertEqual(int(state.draft[slot]), int(np.argmax(mtp_logits[0, pos])))
+      self.assertEqual(int(state.draft[slot, 0]), int(np.argmax(mtp_logits[0, pos])))
+
+  def scratch_chain(self, committed: list[int], depth: int) -> list[int]:
+    """The draft chain after `committed`, each draft from a fresh NextN pass over the whole
+    sequence whose rows past the last committed one are (draft, the previous row's y)."""
+    pos = len(committed) - 1
+    tokens = np.zeros((1, self.MAX_LEN), np.int32)
+    tokens[0, :pos + 1] = committed
+    hidden = np.asarray(scratch_passes(self.graphdef, self.params, jnp.asarray(tokens))[0])
+    prev = np.zeros_like(hidden)
+    prev[0, 1:pos + 1] = hidden[0, :pos]
+    chain = []
+    for i in range(depth):
+      logits, y = scratch_mtp_rows(self.graphdef, self.params, jnp.asarray(tokens),
+                                   jnp.asarray(prev))
+      chain.append(int(np.argmax(logits[0, pos + i])))
+      tokens[0, pos + i + 1] = chain[-1]
+      prev[0, pos + i + 1] = y[0, pos + i]
+    return chain
+
+  def test_multi_token_chains_keep_output_and_caches(self):
+    """Windows of 3 (slot 0) and 2 (slot 1, padded into the same step) with 0..window right
+    drafts injected: the committed tokens, the trunk and MTP caches and the whole next chain
+    match from-scratch passes, after accepted and rejected chains alike."""
+    engine = self.model.engine(native_mtp=True, slots=2, max_len=self.MAX_LEN,
+                               prefill_buckets=(16, 32), draft_tokens=3)
+    state, emitted = self.prefill_both(engine)
+    windows = np.array([3, 2], np.int32)
+    for step in range(7):
+      right = [(step + slot) % 4 for slot in range(2)]
+      group = state.groups[0]
+      drafts = np.asarray(group.head.slots.draft).copy()
+      for slot in range(2):
+        target = self.reference[slot][len(emitted[slot]):][:3]
+        drafts[slot] = [t if i < right[slot] else (t + 1) % 500 for i, t in enumerate(target)]
+      group.head = group.head.replace(slots=group.head.slots.replace(
+          draft=jax.device_put(drafts, group.head.slots.draft.sharding)))
+      state, result, _ = engine.step(state, np.ones(2, bool), windows)
+      for slot in range(2):
+        accepted = min(right[slot], windows[slot])     # a window caps what it accepts
+        self.assertEqual((result[slot][COUNT], result[slot][ACCEPTED]), (accepted + 1, accepted))
+        emitted[slot] += committed_tokens(result[slot])
+        committed = list(self.prompts[slot]) + emitted[slot]
+        self.check_state_against_scratch(state, slot, committed)
+        self.assertEqual(np.asarray(view(state)[0].draft[slot]).tolist(),
+                         self.scratch_chain(committed, 3), f"step {step} slot {slot}")
+    for slot in range(2):
+      self.assertEqual(emitted[slot], self.reference[slot][:len(emitted[slot])])
 
   def prefill_both(self, engine):
     """Both prompts prefilled into slots 0 and 1: (state, tokens emitted per slot)."""
@@ -263,7 +322,7 @@ class MtpEngineTest(parameterized.TestCase):
       for slot, kind in enumerate(kinds):
         target = self.reference[slot][len(emitted[slot])]   # the token t_a will be
         if kind != "natural":
-          drafts[slot] = target if kind == "accept" else (target + 1) % 500
+          drafts[slot, 0] = target if kind == "accept" else (target + 1) % 500
       # Placed as the state's own arrays are, so the step sees the shapes and shardings it
       # was compiled for.
       drafts = jax.device_put(drafts, group.head.slots.draft.sharding)
@@ -399,8 +458,10 @@ class MtpEngineTest(parameterized.TestCase):
                                prefill_buckets=(16,))
     group = engine.init_state().groups[0]
     active = np.ones(1, bool)
-    hlo = engine._steps[step][0].lower(engine._leaves[0], None, group.kv[0], group.head, active,
-                                       active if native_mtp else None, np.bool_(False)
+    fns = engine._draft_steps[1] if step == "verify_draft" else engine._steps[step]
+    hlo = fns[0].lower(engine._leaves[0], None, group.kv[0], group.head, active,
+                                       active.astype(np.int32) if native_mtp else None,
+                                       np.bool_(False)
                                        ).compile().as_text()
     copied = {tuple(int(d) for d in dims.split(",") if d)
               for dims in re.findall(r"= \w+\[([\d,]*)\]\S* copy\(", hlo)}

@@ -23,7 +23,7 @@ LAYERS = (
     ("engine", ("mtpjax.engine",)),
     ("weights", ("mtpjax.loading", "mtpjax.checkpoint", "mtpjax.sharding", "mtpjax.staging")),
     ("models", ("mtpjax.models",)),
-    ("formats", ("mtpjax.gguf", "mtpjax.package", "mtpjax.speculative",
+    ("formats", ("mtpjax.gguf", "mtpjax.package", "mtpjax.speculative", "mtpjax.draft_window",
                  "mtpjax.runtime_options", "mtpjax.telemetry", "mtpjax.errors")),
 )
 # Modules that reach models only through the registry and the interface.

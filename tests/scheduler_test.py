@@ -15,6 +15,7 @@ from absl.testing import absltest, parameterized
 
 import mtpjax
 from mtpjax import errors
+from mtpjax.draft_window import DraftWindow
 from mtpjax.engine.contract import warm_up
 from mtpjax.engine import scheduler as scheduler_lib
 from mtpjax.engine.scheduler import AdaptiveDrafting, DraftingCost, Request, SlotScheduler
@@ -278,19 +279,63 @@ class SlotPauseTest(absltest.TestCase):
                               cost_aware=False)
     scheduler = SlotScheduler(engine(True), adaptive=policy)
     live = scheduler_lib._Live(request=Request(prompt=np.ones(1, np.int32), max_new_tokens=1),
-                          done=lambda r: None, started=0.0)
+                               done=lambda r: None, started=0.0, verified_at=[0],
+                               accepted_at=[0])
     pauses = []
     outcomes = [False] * 8 + [True, True, False, False]
     for accepted in outcomes:
-      scheduler._account_draft(live, True, accepted, {})
+      scheduler._account_draft(live, 1, int(accepted), {})
       if not live.drafting:
         pauses.append(live.paused_steps)
         while not live.drafting:     # rejected drafts verified while paused do not count
-          scheduler._account_draft(live, True, False, {})
+          scheduler._account_draft(live, 1, 0, {})
     # 3, doubled up to cooldown x max_backoff = 12; after the passing window [T, T] the
     # window [T, F] still passes, [F, F] fails and pauses for 3 again.
     self.assertEqual(pauses, [3, 6, 12, 12, 3])
     self.assertEqual(live.counts["drafted"], len(outcomes) + sum(pauses))
+
+
+class DraftWindowPolicyTest(absltest.TestCase):
+  """Each slot's adaptive window, and the cost policy's cap on it (hand-computed prices)."""
+
+  def test_a_window_grows_after_full_accepts_and_shrinks_after_a_first_rejection(self):
+    scheduler = SlotScheduler(engine(True), adaptive=None)
+    scheduler.window = DraftWindow(1, 2, 4, adaptive=True)   # bounds only: no step runs
+    live = scheduler_lib._Live(request=Request(prompt=np.ones(1, np.int32), max_new_tokens=1),
+                               done=lambda r: None, started=0.0, window=2,
+                               verified_at=[0] * 4, accepted_at=[0] * 4)
+    windows = []
+    for accepted in (2, 3, 4, 4, 0, 1, 0, 0, 0):
+      scheduler._account_draft(live, live.window, min(accepted, live.window), {})
+      windows.append(live.window)
+    self.assertEqual(windows, [3, 4, 4, 4, 3, 3, 2, 1, 1])
+    self.assertEqual(live.verified_at, [9, 8, 6, 3])
+    self.assertEqual(live.accepted_at, [5, 4, 3, 2])
+    scheduler.window = DraftWindow.fixed(2)
+    scheduler._account_draft(live, 2, 2, {})
+    self.assertEqual(live.window, 1)                 # a fixed window never moves
+
+  def test_the_cost_policy_lowers_the_cap_before_pausing(self):
+    scheduler = SlotScheduler(engine(True), adaptive=AdaptiveDrafting(window=1, probe_steps=2))
+    scheduler.window = DraftWindow(1, 3, 3)
+    scheduler.window_cap = 3
+    scheduler.cost = cost = DraftingCost()
+    price = lambda drafting_s, accepted, steps=3: (
+        [cost.observe_step(True, drafting_s) for _ in range(steps)], cost.observe_draft(accepted))
+    for _ in range(3):
+      cost.observe_step(False, 1.0)
+    price(3.0, 1)                       # (1 + 1) x 1 s / 3 s: pays 0.67, so a shallower cap
+    scheduler._price_drafting(True)
+    self.assertEqual((scheduler.window_cap, len(cost.seconds[True])), (2, 0))
+    price(1.5, 1)                       # 2 / 1.5 pays; cap 3 was measured worse: stay
+    scheduler._price_drafting(True)
+    self.assertEqual((scheduler.window_cap, scheduler.batch_paused_steps), (2, 0))
+    price(9.0, 0, steps=5)              # median 9 s, 1.5 tokens: down to the minimum ...
+    scheduler._price_drafting(True)
+    self.assertEqual(scheduler.window_cap, 1)
+    price(9.0, 0)                       # ... where 1 token per 9 s pauses drafting
+    scheduler._price_drafting(True)
+    self.assertEqual((scheduler.window_cap, scheduler.batch_paused_steps), (1, 8))
 
 
 class SlowStepEngine:

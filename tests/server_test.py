@@ -209,6 +209,8 @@ class ServerTest(ServerTestBase):
     self.assertIn("native-mtp-n1", card["speculative"]["reason"])
     self.assertEqual((card["speculative"]["type"], card["speculative"]["strategy_id"],
                       card["speculative"]["ngram"]), ("native-mtp", "native-mtp-n1", None))
+    self.assertEqual(card["speculative"]["draft_window"], {   # the package's fixed 1/1/1
+        "policy": "fixed", "min_window": 1, "initial_window": 1, "max_window": 1})
     self.assertEqual(card["max_model_len"], 1024)
     self.assertEqual(self.client.models.retrieve(MODEL).id, MODEL)
     self.assertEqual(self.http.get("/health").json()["status"], "ok")
@@ -308,6 +310,11 @@ class ServerTest(ServerTestBase):
     accepted = metric(after, "mtpjax_native_mtp_accepted")
     rejected = metric(after, "mtpjax_native_mtp_rejected")
     self.assertAlmostEqual(accept_rate, accepted / (accepted + rejected))
+    # One draft per step: position 1 is every draft, and the window in use is 0 or 1.
+    self.assertAlmostEqual(metric(after, "mtpjax_native_mtp_accept_rate_position_1"), accept_rate)
+    self.assertNotIn("mtpjax_native_mtp_accept_rate_position_2", after)
+    self.assertEqual(metric(after, "mtpjax_native_mtp_draft_window_bounds", bound="max"), 1)
+    self.assertIn(metric(after, "mtpjax_native_mtp_draft_window"), (0, 1))
     # The embedded head copies the trunk: nearly every draft is accepted.
     self.assertGreater(accept_rate, 0.5)
     self.assertGreater(metric(after, "mtpjax_generation_tokens_per_second"), 0)
@@ -410,6 +417,7 @@ class MtpOffServerTest(ServerTestBase):
     self.assertEqual(card["speculative"]["scope"], "defaults.speculative.strategy")
     self.assertIn("disabled", card["speculative"]["reason"])
     self.assertIsNone(card["speculative"]["type"])
+    self.assertIsNone(card["speculative"]["draft_window"])
     self.assertIn("native MTP off", self.server.log())
     self.assertIn("speculative drafting: {'type': None", self.server.log())
 
@@ -495,6 +503,8 @@ class MtpOffServerTest(ServerTestBase):
     self.assertEqual(metric(text, "mtpjax_native_mtp_drafted"), 0)
     self.assertEqual(metric(text, "mtpjax_native_mtp_accept_rate"), 0)
     self.assertIn("mtpjax_native_mtp_accept_rate", text)
+    self.assertEqual(metric(text, "mtpjax_native_mtp_draft_window_bounds", bound="max"), 0)
+    self.assertEqual(metric(text, "mtpjax_native_mtp_draft_window"), 0)
     self.assertGreater(metric(text, "mtpjax_native_mtp_target_passes"), 0)
     self.assertEqual(metric(text, "mtpjax_model_info", native_mtp="false",
                             speculative_type="off"), 1)

@@ -13,6 +13,7 @@ from absl.testing import parameterized
 
 from configs import glm
 from mtpjax import speculative
+from mtpjax.draft_window import DraftWindow
 from mtpjax.errors import PackageError, SpeculativeConfigError
 from mtpjax.package import planning
 from mtpjax.package.manifest import (Artifact, ExtensionPolicy, Generation, Manifest, Proposer,
@@ -142,12 +143,13 @@ SOURCES = {
 
 
 def resolve(source: Source, requested: str | None, env: dict | None = None,
-            scope: str = "defaults.speculative.strategy"):
+            scope: str = "defaults.speculative.strategy", max_draft_tokens: int | None = None):
   model_id = source.manifest.model_id if source.manifest else source.path
   return speculative.resolve_speculative(
       model_id=model_id, requested=requested, scope=scope, source_kind=source.kind,
       manifest=source.manifest, layer_count=source.layer_count, gguf_metadata=source.metadata,
-      tensor_names=source.tensors, env={} if env is None else env, source_path=source.path)
+      tensor_names=source.tensors, env={} if env is None else env, source_path=source.path,
+      max_draft_tokens=max_draft_tokens)
 
 
 class ConsumerAssertions:
@@ -496,7 +498,7 @@ class WindowPolicyTest(absltest.TestCase):
     adaptive = WindowPolicy("adaptive", 2, 1, 4)
     with self.assertLogs("absl", level="INFO") as logs:
       resolve(package(_generation("mtp", _mtp("mtp", policy=adaptive))), "auto")
-    self.assertLen([line for line in logs.output if "drafts exactly 1" in line], 1)
+    self.assertLen([line for line in logs.output if "mtpjax drafts with" in line], 1)
 
   def test_fixed_policy_is_silent(self):
     with self.assertNoLogs("absl", level="INFO"):
@@ -506,6 +508,75 @@ class WindowPolicyTest(absltest.TestCase):
     resolution = resolve(package(_generation("mtp", _mtp("mtp", policy=None))), "auto")
     self.assertTrue(resolution.native_mtp)
     self.assertIsNone(resolution.window_policy)
+
+
+def _mtp_package(policy: WindowPolicy | None, name: str = "mtp") -> Source:
+  return package(_generation(name, _mtp(name, policy=policy)))
+
+
+class DraftWindowTest(parameterized.TestCase):
+  """(min, initial, max, adaptive) per package policy and `max_draft_tokens`, hand-derived from
+  draft_window.py's rules; every refusal names its field."""
+
+  @parameterized.named_parameters(
+      ("n1_fixed_1", lambda: SOURCES["pkg_mtp"](), None, DraftWindow(1, 1, 1, False)),
+      ("mtp_without_policy_defaults_to_3", lambda: _mtp_package(None), None,
+       DraftWindow(1, 3, 3, True)),
+      ("adaptive_policy_capped_at_3", lambda: _mtp_package(WindowPolicy("adaptive", 2, 1, 6)),
+       None, DraftWindow(1, 2, 3, True)),
+      ("adaptive_policy_raised_by_config", lambda: _mtp_package(WindowPolicy("adaptive", 2, 1, 6)),
+       5, DraftWindow(1, 2, 5, True)),
+      ("fixed_policy_above_the_default", lambda: _mtp_package(WindowPolicy("fixed", 4, 4, 4)),
+       None, DraftWindow(4, 4, 4, False)),
+      ("policy_beyond_8_is_capped", lambda: _mtp_package(WindowPolicy("adaptive", 1, 1, 12)), 8,
+       DraftWindow(1, 1, 8, True)),
+      ("gguf_fixed_1", lambda: SOURCES["gguf_proof"](), None, DraftWindow(1, 1, 1, False)),
+      ("gguf_set_by_config", lambda: SOURCES["gguf_proof"](), 4, DraftWindow(1, 4, 4, False)),
+  )
+  def test_window(self, source, max_draft_tokens, expected):
+    resolution = resolve(source(), "native-mtp-n1", max_draft_tokens=max_draft_tokens)
+    self.assertEqual(resolution.draft_window, expected)
+    _, settings = consumers_from_resolution(resolution, dtype="float32", max_len=64, slots=2,
+                                            prefill_buckets=(16,))
+    self.assertEqual(settings.draft_window, expected)
+
+  def test_off_drafts_one(self):
+    resolution = resolve(_mtp_package(None), "disabled", max_draft_tokens=4)
+    self.assertEqual(resolution.draft_window, DraftWindow())
+
+  @parameterized.named_parameters(
+      ("above_the_package_max", lambda: SOURCES["pkg_mtp"](), 3, "window_policy.max_window"),
+      ("below_the_package_min", lambda: _mtp_package(WindowPolicy("fixed", 2, 2, 2)), 1,
+       "window_policy.min_window"),
+      ("zero", lambda: SOURCES["gguf_proof"](), 0, "speculative.max_draft_tokens"),
+      ("nine", lambda: SOURCES["gguf_proof"](), 9, "speculative.max_draft_tokens"),
+  )
+  def test_refused(self, source, max_draft_tokens, field):
+    with self.assertRaises(SpeculativeConfigError) as caught:
+      resolve(source(), "native-mtp-n1", max_draft_tokens=max_draft_tokens)
+    self.assertEqual(caught.exception.field, field)
+    self.assertIn(field.split(".")[-1], caught.exception.message)
+
+  def test_config_scopes(self):
+    config = glm.get_config()
+    config.defaults.speculative.max_draft_tokens = 2
+    self.assertEqual(speculative.max_draft_tokens_from_config(config, "glm"),
+                     (2, "defaults.speculative.max_draft_tokens"))
+    config.models.glm.speculative.max_draft_tokens = 4
+    self.assertEqual(speculative.max_draft_tokens_from_config(config, "glm"),
+                     (4, "models.glm.speculative.max_draft_tokens"))
+    config.defaults.speculative.max_draft_tokens = 9     # checked though the model overrides
+    with self.assertRaises(SpeculativeConfigError) as caught:
+      speculative.max_draft_tokens_from_config(config, "glm")
+    self.assertEqual(caught.exception.field, "defaults.speculative.max_draft_tokens")
+    config.defaults.speculative.max_draft_tokens = None
+    resolution = speculative.resolve_for_source(config, "glm", _mtp_package(None), env={})
+    self.assertEqual(resolution.draft_window, DraftWindow(1, 4, 4, True))
+    config.models.glm.speculative.max_draft_tokens = 3
+    with self.assertRaises(SpeculativeConfigError) as caught:
+      speculative.resolve_for_source(config, "glm", SOURCES["pkg_mtp"](), env={})
+    self.assertEqual(caught.exception.field, "window_policy.max_window")
+    self.assertIn("models.glm.speculative.max_draft_tokens = 3", caught.exception.message)
 
 
 class ResolveForSourceTest(ConsumerAssertions, absltest.TestCase):

@@ -14,6 +14,7 @@ from mtpjax.telemetry import MtpStats
 STAT_KEYS = {"enabled", "drafted", "accepted", "rejected", "pending", "verifications",
              "accept_rate", "proposal_compute_us", "verification_compute_us", "target_passes",
              "committed_tokens", "tokens_per_target_pass", "tokens_per_verify"}
+DICT_KEYS = STAT_KEYS | {"accept_rate_by_position"}
 
 
 class VerifyTest(absltest.TestCase):
@@ -65,7 +66,8 @@ class BookkeepingTest(absltest.TestCase):
         "enabled": False, "drafted": 0, "accepted": 0, "rejected": 0, "pending": 0,
         "verifications": 0, "accept_rate": 0.0, "proposal_compute_us": 0,
         "verification_compute_us": 0, "target_passes": 3, "committed_tokens": 3,
-        "tokens_per_target_pass": 1.0, "tokens_per_verify": 1.0})
+        "tokens_per_target_pass": 1.0, "tokens_per_verify": 1.0,
+        "accept_rate_by_position": []})
 
   def test_draft_stays_pending_until_the_next_target_pass(self):
     tracker = DraftTracker()
@@ -126,7 +128,8 @@ class BookkeepingTest(absltest.TestCase):
         "enabled": True, "drafted": 5, "accepted": 3, "rejected": 1, "pending": 1,
         "verifications": 4, "accept_rate": 0.75, "proposal_compute_us": 0,
         "verification_compute_us": 0, "target_passes": 4, "committed_tokens": 7,
-        "tokens_per_target_pass": 1.75, "tokens_per_verify": 1.75})
+        "tokens_per_target_pass": 1.75, "tokens_per_verify": 1.75,
+        "accept_rate_by_position": []})
 
   def test_accept_rate_is_one_when_all_accepted(self):
     tracker = DraftTracker()
@@ -166,11 +169,12 @@ class StatsTest(absltest.TestCase):
     disabled = MtpStats().as_dict()
     enabled = MtpStats(native_mtp=True, drafted=3, accepted=1, rejected=1, target_passes=2,
                        committed_tokens=3).as_dict()
-    self.assertEqual(set(disabled), STAT_KEYS)
-    self.assertEqual(set(enabled), STAT_KEYS)
+    self.assertEqual(set(disabled), DICT_KEYS)
+    self.assertEqual(set(enabled), DICT_KEYS)
     self.assertFalse(disabled["enabled"])
     self.assertEqual({k: v for k, v in disabled.items() if k != "enabled"},
-                     {k: (1.0 if k == "tokens_per_verify" else 0) for k in STAT_KEYS - {"enabled"}})
+                     {k: (1.0 if k == "tokens_per_verify" else [] if k not in STAT_KEYS else 0)
+                      for k in DICT_KEYS - {"enabled"}})
     self.assertTrue(enabled["enabled"])
     self.assertEqual((enabled["pending"], enabled["verifications"], enabled["accept_rate"]),
                      (1, 2, 0.5))
@@ -185,6 +189,23 @@ class StatsTest(absltest.TestCase):
     self.assertEqual(set(metrics), {"mtpjax_native_mtp_" + k for k in STAT_KEYS})
     self.assertEqual(metrics["mtpjax_native_mtp_enabled"], 1.0)
     self.assertEqual(metrics["mtpjax_native_mtp_drafted"], 2.0)
+
+  def test_per_position_acceptance_of_multi_token_windows(self):
+    """Hand-computed: windows of 3 accepting 3, 1 and 0 drafts, then one of 1 accepting 1."""
+    stats = MtpStats.from_counts(native_mtp=True, drafted=10, accepted=5, rejected=5,
+                                 target_passes=4, committed_tokens=9,
+                                 verified_by_position=(4, 3, 3), accepted_by_position=(3, 1, 1))
+    self.assertEqual(stats.accept_rate_by_position, [0.75, 1 / 3, 1 / 3])
+    self.assertEqual(stats.tokens_per_verify, 1 + 5 / 4)
+    merged = stats.merge(MtpStats.from_counts(
+        native_mtp=True, drafted=1, accepted=1, rejected=0, target_passes=1,
+        committed_tokens=2, verified_by_position=(1,), accepted_by_position=(1,)))
+    self.assertEqual((merged.verified_by_position, merged.accepted_by_position),
+                     ((5, 3, 3), (4, 1, 1)))
+    metrics = merged.as_metrics()
+    self.assertEqual(metrics["mtpjax_native_mtp_accept_rate_position_1"], 0.8)
+    self.assertEqual(metrics["mtpjax_native_mtp_accept_rate_position_3"], 1 / 3)
+    self.assertNotIn("mtpjax_native_mtp_accept_rate_position_4", metrics)
 
   def test_from_counts_matches_tracker(self):
     tracker = DraftTracker()

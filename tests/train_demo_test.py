@@ -23,7 +23,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 CORPUS_FILES, BATCH, SEQ_LEN, EVAL_BATCHES = 60, 8, 64, 2
 FLAGS = ["--steps=200", f"--batch={BATCH}", f"--seq_len={SEQ_LEN}", "--vocab=512", "--hidden=64",
          "--layers=2", "--experts=4", "--expert_ffn=32", f"--corpus_files={CORPUS_FILES}",
-         f"--eval_batches={EVAL_BATCHES}", "--tensor_type=F32", "--lr=0.01"]
+         f"--eval_batches={EVAL_BATCHES}", "--tensor_type=F32", "--lr=0.01",
+         "--mtp_depth_weights=1,0.5"]
 
 
 class TrainDemoTest(absltest.TestCase):
@@ -52,6 +53,10 @@ class TrainDemoTest(absltest.TestCase):
     self.assertEqual((strategy["name"], strategy["layer_indices"]), ("native-mtp-n1", [2]))
     card = (self.package / "MODEL_CARD.md").read_text()
     self.assertIn(f"{self.card['metrics']['mtp_agreement']:.3f}", card)
+    self.assertIn("--mtp_depth_weights=1,0.5", card)
+    metrics = self.card["metrics"]
+    self.assertLen(metrics["ce_mtp_by_depth"], 2)            # the recursive depth trained too
+    self.assertEqual(metrics["ce_mtp_by_depth"][0], metrics["ce_mtp"])
 
   def test_reloaded_package_scores_the_held_out_windows_as_the_trainer_did(self):
     """The trainer's evaluation windows (its seed, batch and length), re-scored on the package."""

@@ -8,12 +8,17 @@ modes alike.
   python -m tools.bench_decode --source=/path/to/model.gguf --new_tokens=64 --prompts=8
   python -m tools.bench_decode --mtp_copies_trunk     # a generated tiny model (high acceptance)
   python -m tools.bench_decode --source=mtpjax/assets/glm-demo --slots=1,8
+  python -m tools.bench_decode --source=mtpjax/assets/glm-demo --draft_tokens=1,2,3,5,adaptive
 
 MTP on runs with the default adaptive drafting (what `generate` and the server use, which
 pauses drafting where it does not pay); `*_always_drafting` is MTP on with every step drafting,
-the raw cost of the verify + draft step. The ideal speedup of one draft token is
-(1 + accept rate) / (1 + c_draft), where c_draft is what drafting adds to a step: the wall time
-of a verify + draft step (always drafting) over that of a plain MTP-off step, minus one.
+the raw cost of the verify + draft step. `--draft_tokens` gives one JSON line per draft window
+(k drafts a step, fixed, or `adaptive`: each slot's window moves within 1..the largest k given,
+starting at 2) and slot count. The ideal speedup of a window is tokens per verify /
+(1 + c_draft), where c_draft is what drafting adds to a step: the wall time of a verify + draft
+step (always drafting) over that of a plain MTP-off step, minus one; `accept_rate_by_position`
+is the fraction of verified windows reaching draft position i that accepted it, and
+`draft_ms_per_draft_token` the draft half of the timing pass per drafted token.
 `achieved_fraction` is the measured speedup of always drafting over that ideal (the rest is
 lost to prefill and to the passes that commit a request's last token). `draft_ms_per_step` and
 `verify_ms_per_step` come from a separate pass with `engine.timing` on, which syncs the device
@@ -36,6 +41,7 @@ from absl import app, flags
 
 import mtpjax
 from mtpjax import errors
+from mtpjax.draft_window import MAX_DRAFT_TOKENS, DraftWindow
 from mtpjax.engine.contract import pow2_bucket, warm_up
 from mtpjax.engine.scheduler import AdaptiveDrafting, Request, Result, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
@@ -63,9 +69,13 @@ _TOP_P = flags.DEFINE_float("top_p", 1.0, "nucleus mass")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weight dtype")
 _WEIGHTS = flags.DEFINE_enum("weights", "quantized", ["quantized", "dense"],
                              "quantized: GGUF quantization kept on the device; dense: dequantized")
+_DRAFT_TOKENS = flags.DEFINE_list(
+    "draft_tokens", ["1"], "draft windows to measure: draft tokens per step (1..8) or "
+    "`adaptive`; one JSON line per value and slot count, e.g. --draft_tokens=1,2,3,5,adaptive")
 
 _REPORTED_FLAGS = (_SOURCE, _NEW_TOKENS, _PROMPTS, _PROMPT_LEN, _SLOTS, _MTP_COPIES_TRUNK,
-                   _SEED, _PROMPTS_FROM, _ROUNDS, _TEMPERATURE, _TOP_P, _DTYPE, _WEIGHTS)
+                   _SEED, _PROMPTS_FROM, _ROUNDS, _TEMPERATURE, _TOP_P, _DTYPE, _WEIGHTS,
+                   _DRAFT_TOKENS)
 
 
 def _open_model(tmp: pathlib.Path):
@@ -94,17 +104,29 @@ def _prompts(model) -> list[np.ndarray]:
           for _ in range(_PROMPTS.value)]
 
 
-def _timed_run(engine, requests: list[Request], adaptive: AdaptiveDrafting | None
-               ) -> tuple[list[Result], float]:
+def _windows(values: list[str]) -> list[DraftWindow]:
+  """The `--draft_tokens` windows; `adaptive` spans 1..the largest fixed value (3 without)."""
+  fixed = []
+  for value in values:
+    if value != "adaptive" and not (value.isdigit() and 1 <= int(value) <= MAX_DRAFT_TOKENS):
+      raise app.UsageError(f"--draft_tokens takes 1..{MAX_DRAFT_TOKENS} or adaptive, got {value}")
+    fixed += [int(value)] if value != "adaptive" else []
+  top = max(fixed, default=3)
+  return [DraftWindow(1, min(2, top), top, adaptive=True) if value == "adaptive"
+          else DraftWindow.fixed(int(value)) for value in values]
+
+
+def _timed_run(engine, requests: list[Request], adaptive: AdaptiveDrafting | None,
+               window: DraftWindow | None = None) -> tuple[list[Result], float]:
   start = time.perf_counter()
-  results = SlotScheduler(engine, adaptive=adaptive).run(requests)
+  results = SlotScheduler(engine, adaptive=adaptive, window=window).run(requests)
   return results, time.perf_counter() - start
 
 
 def _drafting_share(results: list[Result]) -> float:
-  """Fraction of target passes that verified a draft (adaptive drafting pauses the rest)."""
+  """Fraction of target passes that verified drafts (adaptive drafting pauses the rest)."""
   total = MtpStats.total(r.stats for r in results)
-  return total.verifications / max(total.target_passes, 1)
+  return total.verified_windows / max(total.target_passes, 1)
 
 
 def _step_ms(results: list[Result]) -> float:
@@ -134,6 +156,7 @@ def main(argv):
     raise app.UsageError(f"--slots takes integers, got {_SLOTS.value}") from exc
   if not slot_counts or min(slot_counts) < 1:
     raise app.UsageError(f"--slots values must be >= 1, got {_SLOTS.value}")
+  windows = _windows(_DRAFT_TOKENS.value)
   with tempfile.TemporaryDirectory(prefix="bench_decode.") as tmp:
     start = time.perf_counter()
     model, source = _open_model(pathlib.Path(tmp))
@@ -145,17 +168,19 @@ def main(argv):
           remedy="unset MTPJAX_NATIVE_MTP to compare MTP on against MTP off")
 
     for slots in slot_counts:
-      print(json.dumps(_measure(model, source, load_s, slots)), flush=True)
+      for window in windows:
+        print(json.dumps(_measure(model, source, load_s, slots, window)), flush=True)
 
 
-def _measure(model, source: str, load_s: float, slots: int) -> dict:
-  """MTP off and on, alternating, at one slot count; returns the JSON line."""
+def _measure(model, source: str, load_s: float, slots: int, window: DraftWindow) -> dict:
+  """MTP off and on, alternating, at one slot count and draft window; returns the JSON line."""
   bucket = pow2_bucket(_PROMPT_LEN.value + 1)
   max_len = max(_PROMPT_LEN.value + _NEW_TOKENS.value + 1, bucket - 2)
   engine_kwargs = dict(slots=slots, max_len=max_len, prefill_buckets=(bucket,))
-  engines = {mode: model.engine(native_mtp=mode == "on", **engine_kwargs)
-             for mode in ("off", "on")}
-  engines["timing"] = model.engine(native_mtp=True, timing=True, **engine_kwargs)
+  engines = {mode: model.engine(native_mtp=mode == "on", draft_tokens=window.max,
+                                **engine_kwargs) for mode in ("off", "on")}
+  engines["timing"] = model.engine(native_mtp=True, timing=True, draft_tokens=window.max,
+                                   **engine_kwargs)
 
   prompts = _prompts(model)
   requests = _requests(prompts, _NEW_TOKENS.value)
@@ -169,35 +194,36 @@ def _measure(model, source: str, load_s: float, slots: int) -> dict:
   runs = {"off": ("off", AdaptiveDrafting()), "on": ("on", AdaptiveDrafting()),
           "always": ("on", None)}
   for engine_mode, adaptive in runs.values():    # untimed: device caches, the policy's prices
-    _timed_run(engines[engine_mode], requests, adaptive)
+    _timed_run(engines[engine_mode], requests, adaptive, window)
   seconds = {mode: 0.0 for mode in runs}
   tokens = {mode: 0 for mode in runs}
   last: dict[str, list[Result]] = {}
   identical = True
   for _ in range(_ROUNDS.value):
     for mode, (engine_mode, adaptive) in runs.items():
-      results, elapsed = _timed_run(engines[engine_mode], requests, adaptive)
+      results, elapsed = _timed_run(engines[engine_mode], requests, adaptive, window)
       seconds[mode] += elapsed
       tokens[mode] += sum(len(r.tokens) for r in results)
       last[mode] = results
     identical &= all(a.tokens == b.tokens == c.tokens
                      for a, b, c in zip(last["off"], last["on"], last["always"]))
 
-  timed, _ = _timed_run(engines["timing"], requests, None)
+  timed, _ = _timed_run(engines["timing"], requests, None, window)
   timing = MtpStats.total(r.stats for r in timed)
-  # Each live request adds its step's duration and one verification, so this ratio is the
+  # Each live request adds its step's duration and one verified window, so this ratio is the
   # occupancy-weighted mean duration of one step's draft / verify half.
-  per_step = max(timing.verifications, 1) * 1e3
+  per_step = max(timing.verified_windows, 1) * 1e3
   stats = MtpStats.total(r.stats for r in last["always"])
   rate = {mode: tokens[mode] / seconds[mode] for mode in seconds}
   step_ms = {mode: _step_ms(last[mode]) for mode in ("off", "always")}
   c_draft = step_ms["always"] / step_ms["off"] - 1.0 if step_ms["off"] else 0.0
-  ideal = (1.0 + stats.accept_rate) / (1.0 + c_draft)
+  ideal = stats.tokens_per_verify / (1.0 + c_draft)
   weights_mb = weight_mb_per_step(model.weights(with_mtp=True)[1], model.config, slots)
   device = jax.devices()[0]
   line = {
       "flags": {flag.name: flag.value for flag in _REPORTED_FLAGS},
       "slots": slots,
+      "draft_window": window.as_dict(),
       "source": source,
       "device": f"{device.platform}:{device.device_kind}",
       "model": {"vocab": model.config.vocab_size, "hidden": model.config.hidden,
@@ -209,8 +235,10 @@ def _measure(model, source: str, load_s: float, slots: int) -> dict:
       "speedup_always_drafting": rate["always"] / rate["off"],
       "drafting_share_on": _drafting_share(last["on"]),
       "accept_rate": stats.accept_rate,
+      "accept_rate_by_position": stats.accept_rate_by_position,
       "tokens_per_target_pass": stats.tokens_per_target_pass,
-      "ideal_speedup_free_draft": 1.0 + stats.accept_rate,
+      "tokens_per_verify": stats.tokens_per_verify,
+      "ideal_speedup_free_draft": stats.tokens_per_verify,
       "c_draft": c_draft,
       "ideal_speedup": ideal,
       "achieved_fraction": (rate["always"] / rate["off"]) / ideal,
@@ -220,6 +248,7 @@ def _measure(model, source: str, load_s: float, slots: int) -> dict:
       "bandwidth_bound_speedup": stats.tokens_per_target_pass * weights_mb["plain"]
                                  / weights_mb["verify_draft"],
       "draft_ms_per_step": timing.proposal_compute_us / per_step,
+      "draft_ms_per_draft_token": timing.proposal_compute_us / max(timing.drafted, 1) / 1e3,
       "verify_ms_per_step": timing.verification_compute_us / per_step,
       "latency_off": _latency_ms(last["off"]),
       "latency_on": _latency_ms(last["on"]),

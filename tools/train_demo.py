@@ -4,8 +4,11 @@
 
 Deterministic for a given seed and interpreter: the corpus is the running interpreter's own
 standard-library sources (no download), excluding tests and generated tables. The loss is
-`CE_trunk + mtp_weight * CE_mtp` with the MTP row convention of MODEL.md §7 (row p pairs x_p
-with the trunk hidden h_{p-1}, zero for row 0, and predicts x_{p+1}). The forward is
+`CE_trunk + mtp_weight * sum_d w_d CE_mtp_d` with the MTP row convention of MODEL.md §7 (row p
+pairs x_p with the trunk hidden h_{p-1}, zero for row 0, and predicts x_{p+1}). Depth d > 1
+(`--mtp_depth_weights`, one weight per depth) trains the recursive draft chain the engine runs:
+the same block over rows pairing x_p with its own depth d - 1 output y_{p-1} (before the head
+norm, as the chain feeds it back), teacher-forced with the true tokens. The forward is
 `mtpjax.models` itself; only the optimiser loop and the export live here. The result is written
 with mtpjax's GGUF writer in llama.cpp's `glm4moe` layout, then split into a layer package,
 with a MODEL_CARD.md holding the flags and held-out metrics.
@@ -32,7 +35,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from mtpjax import loading
 from mtpjax.gguf.tokenizer import GgufTokenizer, glm_pre_tokenizer
 from mtpjax.models.config import ModelConfig
-from mtpjax.engine.steps import fresh_forward, fresh_mtp_hidden
+from mtpjax.engine.steps import fresh_forward, fresh_mtp_rows
 from mtpjax.models import registry
 from mtpjax.models.interface import StageLayout, previous_hidden
 from mtpjax.package.writer import split_gguf
@@ -46,6 +49,8 @@ flags.DEFINE_integer("batch", 16, "sequences per step")
 flags.DEFINE_integer("seq_len", 128, "tokens per training sequence")
 flags.DEFINE_float("lr", 3e-3, "peak learning rate")
 flags.DEFINE_float("mtp_weight", 0.3, "weight of the MTP cross-entropy")
+flags.DEFINE_list("mtp_depth_weights", ["1"], "per draft depth 1..D, its share of mtp_weight "
+                  "(one entry: the single-token head the shipped demo was trained with)")
 flags.DEFINE_integer("vocab", 4096, "byte-level BPE vocabulary size (GLM specials included)")
 flags.DEFINE_integer("hidden", 256, "model width")
 flags.DEFINE_integer("layers", 4, "trunk layers (layer 0 dense, MoE after)")
@@ -116,17 +121,24 @@ def init_params(cfg: ModelConfig, layout: StageLayout, seed: int):
   return loading.assemble(graphdef, abstract, leaves)
 
 
-def losses(graphdef, state, tokens, mtp_weight):
-  """(total, (trunk CE, MTP CE, MTP/trunk argmax agreement)) over a [B, T] batch."""
+def losses(graphdef, state, tokens, mtp_weight, depth_weights):
+  """(total, (trunk CE, MTP CE per depth [D], MTP/trunk argmax agreement per depth [D])) over
+  a [B, T] batch; depth d's block reads its own depth d - 1 output (see the module doc)."""
   model = nnx.merge(graphdef, state)
   hidden, _, _ = fresh_forward(model, tokens, tokens.shape[1])
   trunk_logits = model.lm_logits(hidden)[:, :-1]
-  mtp_logits = model.mtp_logits(fresh_mtp_hidden(model, tokens, previous_hidden(hidden)))[:, :-1]
   targets = tokens[:, 1:]
   ce_trunk = optax.softmax_cross_entropy_with_integer_labels(trunk_logits, targets).mean()
-  ce_mtp = optax.softmax_cross_entropy_with_integer_labels(mtp_logits, targets).mean()
-  agree = (jnp.argmax(mtp_logits, -1) == jnp.argmax(trunk_logits, -1)).mean()
-  return ce_trunk + mtp_weight * ce_mtp, (ce_trunk, ce_mtp, agree)
+  prev, ce_mtp, agree = previous_hidden(hidden), [], []
+  for _ in depth_weights:
+    z, y = fresh_mtp_rows(model, tokens, prev)
+    mtp_logits = model.mtp_logits(z)[:, :-1]
+    ce_mtp.append(optax.softmax_cross_entropy_with_integer_labels(mtp_logits, targets).mean())
+    agree.append((jnp.argmax(mtp_logits, -1) == jnp.argmax(trunk_logits, -1)).mean())
+    prev = previous_hidden(y)
+  ce_mtp, agree = jnp.stack(ce_mtp), jnp.stack(agree)
+  total = ce_trunk + mtp_weight * jnp.dot(jnp.asarray(depth_weights, jnp.float32), ce_mtp)
+  return total, (ce_trunk, ce_mtp, agree)
 
 
 def batches(ids: np.ndarray, batch: int, seq_len: int, rng: np.random.Generator):
@@ -160,6 +172,10 @@ def export(graphdef, state, spec, cfg, tokenizer_meta, out_dir: pathlib.Path, ca
     shutil.rmtree(work, ignore_errors=True)
 
 
+def _figures(values) -> str:
+  return ", ".join(f"{v:.3f}" for v in values)
+
+
 def model_card(card: dict) -> str:
   m = card["metrics"]
   return f"""# mtpjax GLM demo model
@@ -176,6 +192,8 @@ Reproduce: `python tools/train_demo.py {' '.join(f'--{k}={v}' for k, v in card['
 | trunk cross-entropy | {m['ce_trunk']:.3f} |
 | MTP cross-entropy | {m['ce_mtp']:.3f} |
 | MTP/trunk argmax agreement (greedy acceptance proxy) | {m['mtp_agreement']:.3f} |
+| per draft depth 1..D: MTP cross-entropy | {_figures(m['ce_mtp_by_depth'])} |
+| per draft depth 1..D: argmax agreement (teacher-forced) | {_figures(m['mtp_agreement_by_depth'])} |
 
 Training took {card['train_seconds']:.0f} s. Full record:
 
@@ -191,6 +209,9 @@ def main(argv):
                                                  "vocab", "hidden", "layers", "experts",
                                                  "expert_ffn", "seed", "tensor_type",
                                                  "corpus_files")}
+  depth_weights = tuple(float(w) for w in FLAGS.mtp_depth_weights)
+  if len(depth_weights) > 1:   # one entry keeps the shipped model's reproduce line unchanged
+    flag_values["mtp_depth_weights"] = ",".join(FLAGS.mtp_depth_weights)
   train_texts, held_out = split_corpus(FLAGS.corpus_files)
   tokenizer_meta = train_tokenizer(train_texts, FLAGS.vocab)
   tokenizer = GgufTokenizer.from_metadata(tokenizer_meta)
@@ -212,30 +233,35 @@ def main(argv):
   @jax.jit
   def train_step(state, opt_state, tokens):
     (loss, aux), grads = jax.value_and_grad(losses, argnums=1, has_aux=True)(
-        graphdef, state, tokens, FLAGS.mtp_weight)
+        graphdef, state, tokens, FLAGS.mtp_weight, depth_weights)
     updates, opt_state = optimizer.update(grads, opt_state, state)
     return optax.apply_updates(state, updates), opt_state, loss, aux
 
-  evaluate = jax.jit(lambda state, tokens: losses(graphdef, state, tokens, FLAGS.mtp_weight)[1])
+  evaluate = jax.jit(lambda state, tokens: losses(graphdef, state, tokens, FLAGS.mtp_weight,
+                                                  depth_weights)[1])
   data = batches(train_ids, FLAGS.batch, FLAGS.seq_len, np.random.default_rng(FLAGS.seed))
   start = time.time()
   for step in range(1, FLAGS.steps + 1):
     state, opt_state, loss, (ce_trunk, ce_mtp, agree) = train_step(state, opt_state, next(data))
     if step % 50 == 0 or step == 1:
       print(json.dumps({"step": step, "loss": float(loss), "ce_trunk": float(ce_trunk),
-                        "ce_mtp": float(ce_mtp), "agree": float(agree),
+                        "ce_mtp": np.asarray(ce_mtp).tolist(),
+                        "agree": np.asarray(agree).tolist(),
                         "elapsed_s": round(time.time() - start, 1)}), flush=True)
   train_seconds = time.time() - start
 
   eval_data = batches(eval_ids, FLAGS.batch, FLAGS.seq_len, np.random.default_rng(12345))
-  metrics = np.mean([np.asarray(evaluate(state, next(eval_data)))
-                     for _ in range(FLAGS.eval_batches)], axis=0)
+  evals = [jax.tree.map(np.asarray, evaluate(state, next(eval_data)))
+           for _ in range(FLAGS.eval_batches)]
+  metrics = [np.mean([e[i] for e in evals], axis=0) for i in range(3)]
   card = {"flags": flag_values, "parameters": n_params,
           "corpus_files": len(train_texts) + len(held_out),
           "train_tokens": int(train_ids.size), "held_out_tokens": int(eval_ids.size),
           "train_seconds": round(train_seconds, 1), "python": os.sys.version.split()[0],
-          "metrics": {"ce_trunk": float(metrics[0]), "ce_mtp": float(metrics[1]),
-                      "mtp_agreement": float(metrics[2])}}
+          "metrics": {"ce_trunk": float(metrics[0]), "ce_mtp": float(metrics[1][0]),
+                      "mtp_agreement": float(metrics[2][0]),
+                      "ce_mtp_by_depth": metrics[1].tolist(),
+                      "mtp_agreement_by_depth": metrics[2].tolist()}}
   export(graphdef, state, spec, cfg, tokenizer_meta, pathlib.Path(FLAGS.out), card)
   print(json.dumps(card), flush=True)
 

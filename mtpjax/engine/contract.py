@@ -14,10 +14,13 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from mtpjax import errors
+from mtpjax.draft_window import MAX_DRAFT_TOKENS
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.models.config import ModelConfig
 
-# ResultTokens columns: one int32 [B, 4] array per step means one device->host copy.
+# ResultTokens columns: one int32 [B, 3 + draft_tokens] array per step means one device->host
+# copy. The first two committed tokens, their count and the accepted drafts; a window of k
+# drafts commits up to k + 1 tokens, the third one on in the columns after ACCEPTED.
 TOKEN_A, TOKEN_B, COUNT, ACCEPTED = range(4)
 # Prompt buckets of an engine built without explicit ones (those that fit its cache are kept).
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -53,6 +56,7 @@ class EngineConfig:
   timing: bool = False                     # sync after verify and draft to time them
   logprobs: int = 0                        # top logprobs per committed token (0: none computed)
   prefix_cache: int = 0                    # cached prompt prefixes kept (0: no prefix caching)
+  draft_tokens: int = 1                    # native MTP: most drafts a step verifies (window max)
 
   @classmethod
   def with_default_buckets(cls, *, max_len: int, **kwargs) -> "EngineConfig":
@@ -62,8 +66,19 @@ class EngineConfig:
 
   @property
   def cache_len(self) -> int:
-    """Two spare rows hold the verify and draft rows of the last step."""
-    return self.max_len + 2
+    """Spare rows hold the verify rows of the last step: the current token and its drafts."""
+    return self.max_len + 1 + self.draft_tokens
+
+  @property
+  def window_buckets(self) -> tuple[int, ...]:
+    """The draft windows a verifying step compiles for: a step pads every slot's window up to
+    the smallest of these that holds them all (one compile per bucket and slot bucket)."""
+    return slot_buckets(self.draft_tokens) if self.native_mtp else ()
+
+  @property
+  def result_width(self) -> int:
+    """ResultTokens columns: TOKEN_A, TOKEN_B, COUNT, ACCEPTED, then tokens 3 .. k + 1."""
+    return 3 + max(self.draft_tokens, 1)
 
   def prefill_chunks(self, prompt, start: int = 0
                      ) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
@@ -100,6 +115,10 @@ class EngineConfig:
                                default=self.prefill_buckets[0]))
 
   def check_model(self, cfg: ModelConfig) -> None:
+    if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+      raise errors.SpeculativeConfigError(
+          f"draft_tokens must be in 1..{MAX_DRAFT_TOKENS}, got {self.draft_tokens}",
+          field="speculative.max_draft_tokens", remedy=f"choose 1..{MAX_DRAFT_TOKENS}")
     if self.native_mtp and not cfg.has_mtp:
       raise errors.SpeculativeConfigError(
           "native MTP requested but the model has no NextN block", field="native_mtp",
@@ -115,6 +134,12 @@ class EngineConfig:
         remedy="shorten the prompt or raise engine.max_len and engine.prefill_buckets")
 
 
+def committed_tokens(row) -> list[int]:
+  """The tokens one ResultTokens row commits, in order."""
+  row = list(row)
+  return ([row[TOKEN_A], row[TOKEN_B]] + row[ACCEPTED + 1:])[:row[COUNT]]
+
+
 def slot_buckets(slots: int) -> tuple[int, ...]:
   """The slot counts a step compiles for over `slots` slots: powers of two below it, and it."""
   return tuple(sorted({min(2 ** i, slots) for i in range(slots.bit_length() + 1)}))
@@ -124,11 +149,13 @@ class DecodeEngine(Protocol):
   """What runs requests over a fixed set of slots.
 
   A prefix (`prefill`) is inserted into a slot of the state; `step` advances every active slot
-  and returns ResultTokens [slots, 4] (TOKEN_A, TOKEN_B, COUNT, ACCEPTED) and a dict of
+  and returns ResultTokens [slots, 3 + draft_tokens] (`committed_tokens` reads a row) and a dict of
   timings (us) and, when `logprobs` was asked of an engine with `engine_cfg.logprobs`,
   "logprobs": (chosen [slots, R], top ids and top logprobs [slots, R, n]) of the rows a step can
-  commit (R = 2 verifying, else 1); a prefix then carries its first token's as `logprobs`. `free` releases a finished slot. With native MTP, `drafting` [slots] says which slots use their
-  draft, and `catch_up` brings paused slots' MTP caches up to date.
+  commit (R = window + 1 verifying, else 1); a prefix then carries its first token's as
+  `logprobs`. `free` releases a finished slot. With native MTP, `drafting` [slots] says which
+  slots use their drafts (bool) or how many (int, each slot's window), and `catch_up` brings
+  paused slots' MTP caches up to date.
   """
   engine_cfg: EngineConfig
   trace_counts: dict[str, int]
@@ -172,6 +199,6 @@ def warm_up(engine: DecodeEngine) -> None:
     if not ec.native_mtp:
       state, _, _ = engine.step(state, reach)
       continue
-    for drafting in (np.ones(ec.slots, bool), np.zeros(ec.slots, bool)):
-      state, _, _ = engine.step(state, reach, drafting)
+    for window in ec.window_buckets + (0,):    # every window bucket, then a plain step
+      state, _, _ = engine.step(state, reach, np.full(ec.slots, window, np.int32))
     state = engine.catch_up(state, reach)   # the missing MTP rows, before drafting again

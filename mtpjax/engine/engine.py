@@ -66,7 +66,8 @@ class Engine:
                          if engine_cfg.prefix_cache else None)
     self._buckets = {hi - lo: slot_buckets(hi - lo) for lo, hi in self.bounds}
     self.slot_buckets = self._buckets[max(self._buckets)]
-    self._result_like = [_ints(hi - lo, 4) for lo, hi in self.bounds]   # ResultTokens per group
+    self._result_like = [_ints(hi - lo, engine_cfg.result_width)          # ResultTokens per group
+                         for lo, hi in self.bounds]
     # Steps take each stage's parameters as a flat list of arrays: flattening an nnx.State
     # (Python callbacks per Variable) on every call costs a few hundred microseconds a step.
     self._graphdefs = [None if w is None else w[0] for w in stage_weights]
@@ -80,12 +81,18 @@ class Engine:
                                              for s in range(len(self.layouts))]
     self._prefill = per_stage("prefill", self._prefill_fn, ("kv", "carry"))
     self._insert = jit("insert", _insert_fn, ("state",))
-    kinds = ("verify_draft", "plain") if engine_cfg.native_mtp else ("decode",)
+    kind = "plain" if engine_cfg.native_mtp else "decode"
     self._steps = {kind: per_stage(kind, functools.partial(self._step_fn, kind=kind),
-                                   ("kv", "head")) for kind in kinds}
+                                   ("kv", "head"))}
+    # A drafting step compiles once per window bucket: it verifies k + 1 rows, drafts k.
+    self._draft_steps = {
+        k: per_stage("verify_draft", functools.partial(self._step_fn, kind="verify_draft",
+                                                       depth=k), ("kv", "head"))
+        for k in engine_cfg.window_buckets}
     # Timing splits a drafting step's last stage in two jits, synced after each.
-    self._verify = jit("verify", functools.partial(self._step_fn, self.last, kind="verify"),
-                       ("kv",))
+    self._verify = {k: jit("verify", functools.partial(self._step_fn, self.last, kind="verify",
+                                                       depth=k), ("kv",))
+                    for k in engine_cfg.window_buckets}
     self._draft = jit("draft", self._draft_fn, ("head",))
     self._catch_up = jit("catch_up", self._catch_up_fn, ("head",))
 
@@ -266,25 +273,24 @@ class Engine:
   # --- steps --------------------------------------------------------------------------------
 
   def _step_fn(self, s: int, leaves, inp, kv, head: HeadState | None, active, drafting, want,
-               *, kind: str):
+               *, kind: str, depth: int = 0):
     """Stage `s` of one step of `kind` over the first active.shape[0] slots of a group.
 
     `decode` (MTP off) and `plain` (native MTP, no slot drafting) decode one position per
     slot; `plain` records the row's MTP inputs instead of running the NextN block.
-    `verify_draft` verifies [current, draft] and drafts; `verify` only samples the target's
-    tokens (timing mode, `_draft_fn` commits). The caches stay whole: the model writes and
-    reads only the computed slots' rows.
+    `verify_draft` verifies [current, d1 .. d_depth] and drafts the next chain (`drafting`:
+    each slot's window); `verify` only samples the target's tokens (timing mode, `_draft_fn`
+    commits). The caches stay whole: the model writes and reads only the computed slots' rows.
     """
     model = self._model(s, leaves)
     layout = self.layouts[s]
     k = active.shape[0]
-    verify = kind in ("verify_draft", "verify")
     part = head.first(k) if layout.output else None
     if layout.embeddings:
       # A single stage reads its inputs from the head state it donates, stage 0 from the hop.
       current = ((part.slots.current, part.slots.draft, part.slots.pos) if layout.output
                  else tuple(a[:k] for a in inp))
-      inp, positions = steps.step_inputs(*current, verify=verify)
+      inp, positions = steps.step_inputs(*current, depth)
     else:
       x, positions, selection = inp
       inp = (x, selection)
@@ -302,6 +308,23 @@ class Engine:
     else:
       part, result, logprobs = steps.decode_commit(model, part, x, active, top_n, want)
     return (head.merge(part), result, logprobs), kv
+
+  def _depth(self, windows: np.ndarray, active: np.ndarray) -> int:
+    """The window bucket of a step: the smallest that holds every active slot's window (0:
+    no active slot drafts, a plain step)."""
+    live = windows[active] if active.any() else windows
+    deepest = int(live.max()) if live.size else 0
+    return next((k for k in self.engine_cfg.window_buckets if k >= deepest), 0) if deepest else 0
+
+  def windows(self, drafting) -> np.ndarray:
+    """Each slot's draft window from a step's `drafting` (see `step`)."""
+    ec = self.engine_cfg
+    if drafting is None:
+      return np.full(ec.slots, ec.draft_tokens, np.int32)
+    drafting = np.asarray(drafting)
+    if drafting.dtype == bool:
+      return np.where(drafting, ec.draft_tokens, 0).astype(np.int32)
+    return np.clip(drafting, 0, ec.draft_tokens).astype(np.int32)
 
   def _draft_fn(self, leaves, head: HeadState, verified, active, drafting):
     part, result = steps.draft_commit(self._model(self.last, leaves), head.first(active.shape[0]),
@@ -330,10 +353,12 @@ class Engine:
 
   def step(self, state: EngineState, active: np.ndarray, drafting: np.ndarray | None = None,
            *, logprobs: bool = False) -> tuple[EngineState, np.ndarray, dict]:
-    """One step for every group: the state, ResultTokens [slots, 4] and an info dict (timings
-    in us, and logprobs; see `DecodeEngine`).
+    """One step for every group: the state, ResultTokens [slots, result_width] and an info
+    dict (timings in us, and logprobs; see `DecodeEngine`).
 
-    With native MTP, `drafting` [B] says which slots use their draft this step (None: all).
+    With native MTP, `drafting` [B] gives each slot's draft window this step: ints, or bools
+    (True: `draft_tokens`); None: every slot at `draft_tokens`. The step verifies the smallest
+    window bucket holding every active slot's window, each slot accepting within its own.
     A slot that does not draft only commits the target's token, so its output is unchanged;
     when no active slot drafts, a plain step decodes one position without the MTP block, and
     the next drafting step first catches the MTP KV up (`catch_up`). `logprobs`: some live
@@ -343,14 +368,15 @@ class Engine:
     # Host arrays go to the compiled steps as they are: jit's own transfer is far cheaper than
     # a device_put per argument (a few hundred microseconds a step on a CPU host).
     active = np.asarray(active, bool)
-    kind = "decode"
+    kind, depth = "decode", 0
     if self.engine_cfg.native_mtp:
-      drafting = np.ones(active.shape, bool) if drafting is None else np.asarray(drafting, bool)
-      kind = ("verify_draft" if (drafting[active].any() if active.any() else drafting.any())
-              else "plain")
+      drafting = self.windows(drafting)
+      depth = self._depth(drafting, active)
+      kind = "verify_draft" if depth else "plain"
     if kind == "verify_draft":
       state = self.catch_up(state, active)
-    tokens = 2 if kind == "verify_draft" else 1
+    tokens = depth + 1
+    step_fns = self._draft_steps[depth] if depth else self._steps[kind]
     info: dict = {}
     results, rows = [], []
     for (lo, hi), group in zip(self.bounds, state.groups):
@@ -362,7 +388,9 @@ class Engine:
       if self.last > 0:   # stage 0 embeds the last stage's tokens
         slots = None if group.head is None else group.head.slots
         out = self.hops.move(None if slots is None else (slots.current, slots.draft, slots.pos),
-                             self.last, 0, like=(_ints(hi - lo),) * 3)
+                             self.last, 0, like=(_ints(hi - lo),
+                                                 _ints(hi - lo, self.engine_cfg.draft_tokens),
+                                                 _ints(hi - lo)))
       for s in range(len(self.layouts)):
         if s > 0:
           out = self.hops.move(out, s - 1, s, like=self._width(k, tokens) + (
@@ -370,14 +398,14 @@ class Engine:
         if not self.hops.local(s):
           continue
         if s < self.last:
-          out, group.kv[s] = self._steps[kind][s](self._leaves[s], out, group.kv[s], None, act,
-                                                  None, want)
+          out, group.kv[s] = step_fns[s](self._leaves[s], out, group.kv[s], None, act, None,
+                                         want)
           continue
         if kind == "verify_draft" and self.engine_cfg.timing:
           group.head, result, committed = self._timed_last_stage(group, out, act, draft_mask,
-                                                                 want, info)
+                                                                 want, info, depth)
         else:
-          (group.head, result, committed), group.kv[s] = self._steps[kind][s](
+          (group.head, result, committed), group.kv[s] = step_fns[s](
               self._leaves[s], out, group.kv[s], group.head, act, draft_mask, want)
         results.append(result)
         rows.append(committed)
@@ -413,11 +441,12 @@ class Engine:
       joined.append(self.hops.share(mine, self.last, like=like))
     return tuple(np.concatenate([np.asarray(g[j]) for g in joined]) for j in range(3))
 
-  def _timed_last_stage(self, group: Group, inp, active, drafting, want, timings: dict):
+  def _timed_last_stage(self, group: Group, inp, active, drafting, want, timings: dict,
+                        depth: int):
     """The last stage of a drafting step as two synced jits: verify, then draft and commit."""
     leaves = self._leaves[self.last]
     start = time.perf_counter()
-    (verified, logprobs), group.kv[self.last] = self._verify(
+    (verified, logprobs), group.kv[self.last] = self._verify[depth](
         leaves, inp, group.kv[self.last], group.head, active, drafting, want)
     jax.block_until_ready(verified)
     mid = time.perf_counter()

@@ -18,7 +18,8 @@ from typing import Callable, Iterable
 import numpy as np
 
 from mtpjax import errors
-from mtpjax.engine.contract import ACCEPTED, COUNT, TOKEN_A, TOKEN_B, DecodeEngine
+from mtpjax.draft_window import DraftWindow
+from mtpjax.engine.contract import ACCEPTED, COUNT, DecodeEngine, committed_tokens
 from mtpjax.engine.state import CATCH_UP_ROWS
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.telemetry import MtpStats
@@ -78,9 +79,12 @@ class AdaptiveDrafting:
   every slot, so it costs the same whichever slots use their drafts: while any live slot
   drafts, every live slot verifies its draft (a paused one too), and only when every slot is
   paused does the batch take a plain step.
-  Per batch (`cost_aware`): drafting pays when (1 + accept rate) tokens per drafting step beat
-  one token per plain step in wall time, the plain steps of a pause being charged the catch-up
-  passes that resuming after them runs. The scheduler times both kinds of steps (a few plain
+  Per batch (`cost_aware`): drafting pays when (1 + accepted drafts) tokens per drafting step
+  beat one token per plain step in wall time, the plain steps of a pause being charged the
+  catch-up passes that resuming after them runs. With a multi-token window the same verdict
+  chooses the window: a depth that does not pay lowers the batch's cap on every slot's window
+  by one (repriced at the new depth) before drafting pauses at the minimum, and a depth that
+  pays raises the cap again unless the deeper one was last measured to pay less. The scheduler times both kinds of steps (a few plain
   steps are sampled first, once per engine: the prices carry over to later schedulers of the
   same engine); when drafting does not pay, every slot pauses the same way, for `cooldown`
   steps doubling up to `max_backoff` times while it keeps not paying. A step in which no slot
@@ -141,8 +145,14 @@ class DraftingCost:
       extra = seconds - self._price(True)
       self.catch_up_pass.append(max(extra, 0.0) / -(-caught_up_rows // CATCH_UP_ROWS))
 
-  def observe_draft(self, accepted: bool) -> None:
-    self.accepted.append(accepted)
+  def observe_draft(self, accepted: int) -> None:
+    """One slot's verified window: how many of its drafts were accepted."""
+    self.accepted.append(int(accepted))
+
+  def reprice_drafting(self) -> None:
+    """Forget drafting steps' prices and acceptance: the window depth changed."""
+    self.seconds[True].clear()
+    self.accepted.clear()
 
   def priced(self, steps: int) -> bool:
     """Both kinds of steps have at least `steps` timings."""
@@ -155,14 +165,17 @@ class DraftingCost:
     16-element deque costs more than the arithmetic."""
     return statistics.median(sorted(self.seconds[drafting])[:-1])
 
-  def drafting_pays(self, pause_steps: int) -> bool:
-    """Tokens per second with drafting >= without (both must be priced), over a pause of
+  def drafting_gain(self, pause_steps: int) -> float:
+    """Tokens per second with drafting over without (both must be priced), over a pause of
     `pause_steps` plain steps and the catch-up passes that resuming after them runs."""
     rate = sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
     passes = -(-pause_steps // CATCH_UP_ROWS)
     catch_up = passes * statistics.median(self.catch_up_pass) if self.catch_up_pass else 0.0
     paused = self._price(False) + catch_up / pause_steps
-    return (1.0 + rate) * paused >= self._price(True)
+    return (1.0 + rate) * paused / self._price(True)
+
+  def drafting_pays(self, pause_steps: int) -> bool:
+    return self.drafting_gain(pause_steps) >= 1.0
 
 
 _ENGINE_COSTS: "weakref.WeakKeyDictionary[object, DraftingCost]" = weakref.WeakKeyDictionary()
@@ -180,6 +193,10 @@ class _Live:
   recent: collections.deque = dataclasses.field(default_factory=collections.deque)
   paused_steps: int = 0           # steps left without drafting
   backoff: int = 1                # the next pause is cooldown x backoff steps
+  window: int = 1                 # drafts this slot asks for (DraftWindow bounds)
+  # Per draft position: windows that included it, and how often it was accepted.
+  verified_at: list = dataclasses.field(default_factory=list)
+  accepted_at: list = dataclasses.field(default_factory=list)
 
   @property
   def drafting(self) -> bool:
@@ -211,14 +228,25 @@ class SlotScheduler:
   """Runs requests over the engine's slots until all are done.
 
   `interleave_prefill`: a long prompt's chunks alternate with steps of the live slots (else
-  its whole prefill runs at once, stalling every stream meanwhile)."""
+  its whole prefill runs at once, stalling every stream meanwhile). `window`: each request's
+  draft window (default: fixed at the engine's `draft_tokens`)."""
 
   def __init__(self, engine: DecodeEngine, adaptive: AdaptiveDrafting | None = AdaptiveDrafting(),
-               *, interleave_prefill: bool = True):
+               window: DraftWindow | None = None, *, interleave_prefill: bool = True):
     self.engine = engine
     self.interleave_prefill = interleave_prefill
     self.prefilling: _Prefilling | None = None
     self.adaptive = adaptive
+    top = engine.engine_cfg.draft_tokens
+    self.window = DraftWindow.fixed(top) if window is None else window
+    if self.native_mtp and self.window.max > top:
+      raise errors.MtpjaxError(
+          f"a draft window of up to {self.window.max} tokens needs an engine compiled for it "
+          f"(draft_tokens {top})", field="engine.draft_tokens",
+          remedy="build the engine with draft_tokens = the window's max")
+    self.window_cap = self.window.max   # the cost policy's cap on every slot's window
+    self.window_in_use = 0.0            # the last step's mean draft window over live slots
+    self._cap_gain: dict[int, float] = {}
     self.cost = DraftingCost.of(engine)
     self.batch_paused_steps = 0     # steps left in which no slot drafts (cost policy)
     self._backoff = 1
@@ -281,7 +309,9 @@ class SlotScheduler:
     prefix = pending.job.prefix
     index = pending.slot
     self.state = self.engine.insert(prefix, self.state, index)
-    live = _Live(request=request, done=pending.done, started=pending.started)
+    live = _Live(request=request, done=pending.done, started=pending.started,
+                 window=self.window.initial, verified_at=[0] * self.window.max,
+                 accepted_at=[0] * self.window.max)
     live.counts["target_passes"] += 1
     live.counts["committed_tokens"] += 1
     first = int(np.asarray(prefix.current)[0])
@@ -331,7 +361,9 @@ class SlotScheduler:
         native_mtp=self.native_mtp, drafted=c["drafted"], accepted=c["accepted"],
         rejected=c["rejected"], target_passes=c["target_passes"],
         committed_tokens=c["committed_tokens"], proposal_compute_us=c["proposal_us"],
-        verification_compute_us=c["verification_us"])
+        verification_compute_us=c["verification_us"],
+        verified_by_position=live.verified_at if self.native_mtp else (),
+        accepted_by_position=live.accepted_at if self.native_mtp else ())
     live.done(Result(tokens=live.tokens, finish_reason=reason, stats=stats,
                      prompt_tokens=len(live.request.prompt),
                      time_to_first_token_s=live.first_token_s,
@@ -353,9 +385,13 @@ class SlotScheduler:
     started = time.perf_counter()
     # Logprobs cost a step something only while a live request asks for them.
     wants = any(s is not None and s.request.logprobs for s in self.slots)
-    # Without native MTP `drafted` is False and the engine ignores the drafting mask.
+    # Each live slot's window, capped by the cost policy; without native MTP `drafted` is
+    # False and the engine ignores the windows.
+    windows = [min(s.window, self.window_cap) if s is not None and drafted else 0
+               for s in self.slots]
+    self.window_in_use = sum(windows) / sum(occupied)
     self.state, result, info = self.engine.step(
-        self.state, active, active if drafted else np.zeros_like(active), logprobs=wants)
+        self.state, active, np.array(windows, np.int32), logprobs=wants)
     for index, (live, row) in enumerate(zip(self.slots, result.tolist())):
       if live is None:
         continue
@@ -364,8 +400,8 @@ class SlotScheduler:
       c["target_passes"] += 1
       c["committed_tokens"] += count
       if self.native_mtp:
-        self._account_draft(live, drafted, bool(row[ACCEPTED]), info)
-      tokens = [row[TOKEN_A], row[TOKEN_B]] if count == 2 else [row[TOKEN_A]]
+        self._account_draft(live, windows[index], row[ACCEPTED], info)
+      tokens = committed_tokens(row)
       self._emit(index, tokens, _token_logprobs(live.request, info.get("logprobs"), index,
                                                 tokens))
     if self.native_mtp:   # the step's wall time, with the host's per-step work
@@ -392,30 +428,48 @@ class SlotScheduler:
     self._drafting_steps = 0
     if not self.cost.priced(policy.probe_steps):
       self.batch_paused_steps = policy.probe_steps
-    elif self.cost.drafting_pays(policy.pause(self._backoff)[0]):
+      return
+    cap = self.window_cap
+    gain = self._cap_gain[cap] = self.cost.drafting_gain(policy.pause(self._backoff)[0])
+    if gain >= 1.0:
       self._backoff = 1
+      if cap < self.window.max and self._cap_gain.get(cap + 1, gain + 1.0) > gain:
+        self._set_window_cap(cap + 1)
+    elif cap > self.window.min:
+      self._set_window_cap(cap - 1)
     else:
       self.batch_paused_steps, self._backoff = policy.pause(self._backoff)
 
-  def _account_draft(self, live: _Live, verified: bool, accepted: bool, info: dict) -> None:
-    """Count a verified draft and apply the adaptive policy to the slot. A paused slot's
-    pause counts down every step; drafts it verified meanwhile count in the statistics but
-    not towards its own accept-rate window."""
+  def _set_window_cap(self, cap: int) -> None:
+    self.window_cap = cap
+    self.cost.reprice_drafting()
+
+  def _account_draft(self, live: _Live, window: int, accepted: int, info: dict) -> None:
+    """Count a verified window of drafts (`window` 0: none) and apply the adaptive policy to
+    the slot. A paused slot's pause counts down every step; drafts it verified meanwhile count
+    in the statistics but not towards its own accept-rate window or its draft window."""
     c = live.counts
     c["proposal_us"] += info.get("proposal_compute_us", 0)
     c["verification_us"] += info.get("verification_compute_us", 0)
     paused = not live.drafting
     if paused:
       live.paused_steps -= 1
-    if not verified:
+    if not window:
       return
-    c["drafted"] += 1
-    c["accepted" if accepted else "rejected"] += 1
+    c["drafted"] += window
+    c["accepted"] += accepted
+    c["rejected"] += window - accepted
+    for position in range(window):
+      live.verified_at[position] += 1
+      live.accepted_at[position] += position < accepted
     self.cost.observe_draft(accepted)
-    policy = self.adaptive
-    if policy is None or paused:
+    if paused:
       return
-    live.recent.append(accepted)
+    self._adapt_window(live, window, accepted)
+    policy = self.adaptive
+    if policy is None:
+      return
+    live.recent.append(accepted / window)
     if len(live.recent) > policy.window:
       live.recent.popleft()
     if len(live.recent) < policy.window:
@@ -425,6 +479,16 @@ class SlotScheduler:
       return
     live.paused_steps, live.backoff = policy.pause(live.backoff)
     live.recent.clear()
+
+  def _adapt_window(self, live: _Live, window: int, accepted: int) -> None:
+    """An adaptive window grows by one after a fully accepted window and shrinks by one when
+    its first draft is rejected, within the `DraftWindow` bounds."""
+    if not self.window.adaptive:
+      return
+    if accepted == window == live.window:
+      live.window = min(live.window + 1, self.window.max)
+    elif accepted == 0:
+      live.window = max(live.window - 1, self.window.min)
 
   def run(self, requests: Iterable[Request]) -> list[Result]:
     """Generate every request to completion; results in request order."""

@@ -26,7 +26,7 @@ class Slots:
   writes back exactly these (`first`, `merge`)."""
   pos: jax.Array          # [B] position of `current`
   current: jax.Array      # [B] sampled token not yet in the target KV
-  draft: jax.Array        # [B] MTP draft for position pos + 1
+  draft: jax.Array        # [B, K] MTP drafts for positions pos + 1 .. pos + K (a chain)
   h_prev: jax.Array       # [B, D] post-norm target hidden at pos - 1
   keys: jax.Array         # [B, 2] raw request keys
   temperature: jax.Array  # [B]
@@ -35,9 +35,9 @@ class Slots:
   mtp_lag: jax.Array      # [B] rows up to `pos` the MTP KV still lacks (native MTP)
 
   @classmethod
-  def empty(cls, batch: int, hidden: int, dtype) -> "Slots":
+  def empty(cls, batch: int, hidden: int, dtype, drafts: int = 1) -> "Slots":
     zeros = lambda *shape, dt=np.int32: np.zeros(shape, dt)
-    return cls(pos=zeros(batch), current=zeros(batch), draft=zeros(batch),
+    return cls(pos=zeros(batch), current=zeros(batch), draft=zeros(batch, drafts),
                h_prev=zeros(batch, hidden, dt=dtype), keys=zeros(batch, 2, dt=np.uint32),
                temperature=zeros(batch, dt=np.float32), top_k=zeros(batch),
                top_p=np.ones((batch,), np.float32), mtp_lag=zeros(batch))

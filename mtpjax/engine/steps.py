@@ -4,10 +4,12 @@ Everything here runs after the trunk's final norm, on the stage that owns the ou
 the NextN block (the whole model on a single stage), against a `HeadState` over the slots a
 step computes.
 
-With native MTP a drafting step verifies `[current, draft]` in one target pass, samples both
-positions with position-keyed keys, accepts the draft iff the target's own token equals it,
-and drafts the next token from the MTP head over the two new rows. Rows past the committed
-length are never read before they are rewritten, so a rejection needs no rollback.
+With native MTP a drafting step verifies `[current, d1..dk]` in one target pass (k, the
+window, is static per compile), samples every position with position-keyed keys, accepts the
+longest prefix of drafts equal to the target's own tokens plus the target's next token, runs
+the MTP head over the k + 1 new rows and drafts the next chain from the row of the new
+`current` (`draft_chain`). Rows past the committed length are never read before they are
+rewritten, in the trunk caches and the MTP cache alike, so a rejection needs no rollback.
 
 While no slot drafts, a plain step costs what a step with MTP off costs: the MTP block does not
 run, each committed row's MTP inputs (token, trunk hidden) go to a history buffer and the
@@ -33,7 +35,7 @@ from mtpjax.models.kv_cache import live_slots, write_rows
 def empty_head(cfg: ModelConfig, engine_cfg: EngineConfig, batch: int, dtype, zeros=np.zeros
                ) -> HeadState:
   """A head state of `batch` empty slots (`zeros`: np.zeros, or jnp.zeros inside jit)."""
-  slots = Slots.empty(batch, cfg.hidden, dtype)
+  slots = Slots.empty(batch, cfg.hidden, dtype, engine_cfg.draft_tokens)
   if not engine_cfg.native_mtp:
     return HeadState(slots=slots, mtp_kv=None, history_tokens=None, history_hidden=None)
   rows = mtp_cache_len(engine_cfg)
@@ -48,12 +50,42 @@ def mtp_cache_len(engine_cfg: EngineConfig) -> int:
   return engine_cfg.cache_len + CATCH_UP_ROWS
 
 
-def step_inputs(current, draft, pos, *, verify: bool) -> tuple[jax.Array, jax.Array]:
-  """Tokens [B, T] and positions [B, T] of one step: [current] or, verifying, [current, draft]."""
-  if not verify:
-    return current[:, None], pos[:, None]
-  tokens = jnp.stack([current, draft], axis=1)
-  return tokens, pos[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
+def step_inputs(current, draft, pos, depth: int) -> tuple[jax.Array, jax.Array]:
+  """Tokens [B, T] and positions [B, T] of one step: [current] (depth 0) or, verifying a
+  window of `depth` drafts, [current, d1 .. d_depth]."""
+  tokens = jnp.concatenate([current[:, None], draft[:, :depth]], axis=1)
+  return tokens, pos[:, None] + jnp.arange(depth + 1, dtype=jnp.int32)[None]
+
+
+def draft_chain(model: CausalLM, mtp_kv, z, y, pos, depth: int) -> tuple[jax.Array, object]:
+  """`depth` greedy drafts after the MTP row at `pos` [B] whose NextN outputs are z (normed)
+  and y (before the head norm), [B, D] each, and the MTP cache with the chain's rows.
+
+  d1 comes from z; d_{i+1} from the MTP row (d_i, y of the previous row) at position pos + i,
+  written to the MTP cache at that position: the block applied to its own output, as vLLM's
+  MTP proposer chains it (`CausalLM.mtp_rows`). Those rows lie past the committed length, so
+  the next step's pass over the committed rows rewrites them before any query reads them.
+  """
+  drafts = [greedy_tokens(model.mtp_logits(z))]
+  for i in range(1, depth):
+    z, y, mtp_kv = model.mtp_rows(drafts[-1][:, None], y[:, None], (pos + i)[:, None], mtp_kv)
+    z, y = z[:, 0], y[:, 0]
+    drafts.append(greedy_tokens(model.mtp_logits(z)))
+  return jnp.stack(drafts, axis=1), mtp_kv
+
+
+def result_rows(tokens, count, accepted, drafts: int) -> jax.Array:
+  """ResultTokens [B, 3 + drafts] (`contract.committed_tokens` reads them) of committed
+  `tokens` [B, R <= drafts + 1]."""
+  tokens = jnp.pad(tokens, ((0, 0), (0, drafts + 1 - tokens.shape[1])))
+  return jnp.concatenate([tokens[:, :2], count[:, None], accepted[:, None], tokens[:, 2:]],
+                         axis=1).astype(jnp.int32)
+
+
+def _at(a, index):
+  """a[b, index[b]] for every row b of a [B, T, ...]."""
+  index = index.reshape((-1,) + (1,) * (a.ndim - 1))
+  return jnp.take_along_axis(a, index, axis=1)[:, 0]
 
 
 def _sequence_positions(batch: int, length: int) -> jax.Array:
@@ -73,9 +105,16 @@ def fresh_forward(model: CausalLM, inp, cache_len: int) -> tuple[jax.Array, list
 def fresh_mtp_hidden(model: CausalLM, tokens, prev_hidden) -> jax.Array:
   """The NextN block over whole sequences [B, T] from position 0 on an empty cache (rows as
   `interface.previous_hidden` pairs them); its normed output z."""
+  return fresh_mtp_rows(model, tokens, prev_hidden)[0]
+
+
+def fresh_mtp_rows(model: CausalLM, tokens, prev_hidden) -> tuple[jax.Array, jax.Array]:
+  """`fresh_mtp_hidden`'s (z, y): also the output before the head norm a draft chain feeds
+  back (`CausalLM.mtp_rows`)."""
   batch, length = tokens.shape
   mtp_kv = registry.init_cache(model.cfg, 1, batch, length, model.dtype)[0]
-  return model.mtp_hidden(tokens, prev_hidden, _sequence_positions(batch, length), mtp_kv)[0]
+  z, y, _ = model.mtp_rows(tokens, prev_hidden, _sequence_positions(batch, length), mtp_kv)
+  return z, y
 
 
 def committed_logprobs(logits, tokens, top_n: int, want):
@@ -109,13 +148,14 @@ def prefill_commit(model: CausalLM, engine_cfg: EngineConfig, tokens, hidden, le
   logits = model.lm_logits(last)
   first = sample(logits, keys, (start + length)[None], temperature, top_k, top_p)
   head = empty_head(model.cfg, engine_cfg, 1, model.dtype, jnp.zeros)
-  draft = jnp.zeros((1,), jnp.int32)
+  draft = head.slots.draft
   if engine_cfg.native_mtp:
     mtp_tokens = jnp.where(index == length, first[:, None], tokens)
-    z, mtp_kv = model.mtp_hidden(mtp_tokens, previous_hidden(hidden, before), positions,
-                                 head.mtp_kv if mtp_kv is None else mtp_kv)
-    z_last = jax.lax.dynamic_index_in_dim(z, length, axis=1, keepdims=False)
-    draft = greedy_tokens(model.mtp_logits(z_last))
+    z, y, mtp_kv = model.mtp_rows(mtp_tokens, previous_hidden(hidden, before), positions,
+                                  head.mtp_kv if mtp_kv is None else mtp_kv)
+    row = lambda a: jax.lax.dynamic_index_in_dim(a, length, axis=1, keepdims=False)
+    draft, mtp_kv = draft_chain(model, mtp_kv, row(z), row(y), (start + length)[None],
+                                engine_cfg.draft_tokens)
     head = head.replace(mtp_kv=mtp_kv)
   return head.replace(slots=Slots(
       pos=(start + length)[None], current=first, draft=draft, h_prev=last, keys=keys,
@@ -130,8 +170,8 @@ def decode_commit(model: CausalLM, head: HeadState, hidden, active, top_n: int =
   s = head.slots
   logits = model.lm_logits(hidden[:, 0])
   token = sample(logits, s.keys, s.pos + 1, s.temperature, s.top_k, s.top_p)
-  zeros = jnp.zeros_like(token)
-  result = jnp.stack([token, zeros, jnp.ones_like(token), zeros], axis=1)
+  result = result_rows(token[:, None], jnp.ones_like(token), jnp.zeros_like(token),
+                       s.draft.shape[1])
   slots = s.replace(pos=jnp.where(active, s.pos + 1, s.pos),
                     current=jnp.where(active, token, s.current), h_prev=hidden[:, 0])
   return (head.replace(slots=slots), result,
@@ -139,46 +179,52 @@ def decode_commit(model: CausalLM, head: HeadState, hidden, active, top_n: int =
 
 
 def verify_tokens(model: CausalLM, head: HeadState, hidden, top_n: int = 0, want=False
-                  ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], tuple | None]:
-  """Sample the target's tokens at both verify positions: ((token_a, token_b, hidden), and
-  with `top_n` both rows' logprobs)."""
+                  ) -> tuple[tuple[jax.Array, jax.Array], tuple | None]:
+  """Sample the target's tokens at every verify position: ((tokens [B, k + 1], hidden), and
+  with `top_n` every row's logprobs)."""
   s = head.slots
-  logits = model.lm_logits(hidden)                                       # [B, 2, V]
+  logits = model.lm_logits(hidden)                                       # [B, k + 1, V]
   batch, rows, vocab = logits.shape
-  # Both positions in one `sample` call: one greedy-or-sampled branch per step (a GPU reads a
+  # Every position in one `sample` call: one greedy-or-sampled branch per step (a GPU reads a
   # conditional's predicate back on the host).
   per_row = lambda a: jnp.repeat(a, rows, axis=0)
   positions = s.pos[:, None] + jnp.arange(1, rows + 1, dtype=jnp.int32)[None]
   tokens = sample(logits.reshape(batch * rows, vocab), per_row(s.keys), positions.reshape(-1),
                   per_row(s.temperature), per_row(s.top_k), per_row(s.top_p)
                   ).reshape(batch, rows)
-  return (tokens[:, 0], tokens[:, 1], hidden), committed_logprobs(logits, tokens, top_n, want)
+  return (tokens, hidden), committed_logprobs(logits, tokens, top_n, want)
 
 
-def draft_commit(model: CausalLM, head: HeadState, verified, active, drafting
+def draft_commit(model: CausalLM, head: HeadState, verified, active, window
                  ) -> tuple[HeadState, jax.Array]:
-  """MTP pass over the two new rows, then commit one or two tokens per slot.
+  """MTP pass over the k + 1 new rows, commit the accepted drafts and the target's next token
+  per slot, then draft the next chain of k from the new `current`'s row.
 
-  A slot outside `drafting` never accepts: it commits only the target's own token.
-  Every active slot must be caught up (`mtp_lag` 0), see `Engine.catch_up`.
+  `window` [B] caps each slot's accepted drafts (slots of a smaller window share the step,
+  padded; 0: the slot does not draft and commits only the target's own token). Drafts past
+  the chain a previous, shorter step made are stale: they are only ever rejected or, equal
+  to the target's token by chance, accepted losslessly. Every active slot must be caught up
+  (`mtp_lag` 0), see `Engine.catch_up`.
   """
   s = head.slots
-  token_a, token_b, hidden = verified
-  accept = (token_a == s.draft) & drafting
-  rows = jnp.stack([token_a, token_b], axis=1)
-  positions = s.pos[:, None] + jnp.arange(1, 3, dtype=jnp.int32)[None]
-  z, mtp_kv = model.mtp_hidden(rows, hidden, positions, head.mtp_kv)
-  # Only the row of the new `current` drafts; the head (the draft's largest cost) runs once.
-  z_next = jnp.where(accept[:, None], z[:, 1], z[:, 0])
-  draft = greedy_tokens(model.mtp_logits(z_next))                          # [B]
-  step = jnp.where(accept, 2, 1)
-  result = jnp.stack([token_a, token_b, step, accept.astype(jnp.int32)], axis=1)
+  tokens, hidden = verified
+  depth = tokens.shape[1] - 1
+  match = ((tokens[:, :depth] == s.draft[:, :depth])
+           & (jnp.arange(depth)[None] < window[:, None]))
+  accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+  positions = s.pos[:, None] + jnp.arange(1, depth + 2, dtype=jnp.int32)[None]
+  z, y, mtp_kv = model.mtp_rows(tokens, hidden, positions, head.mtp_kv)
+  pos = s.pos + accepted + 1
+  # Only the row of the new `current` drafts; the chain runs the head once per draft.
+  chain, mtp_kv = draft_chain(model, mtp_kv, _at(z, accepted), _at(y, accepted), pos, depth)
+  draft = jnp.concatenate([chain, s.draft[:, depth:]], axis=1)
+  result = result_rows(tokens, accepted + 1, accepted, s.draft.shape[1])
   keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
   slots = s.replace(
-      pos=keep(s.pos + step, s.pos),
-      current=keep(jnp.where(accept, token_b, token_a), s.current),
+      pos=keep(pos, s.pos),
+      current=keep(_at(tokens, accepted), s.current),
       draft=keep(draft, s.draft),
-      h_prev=keep(jnp.where(accept[:, None], hidden[:, 1], hidden[:, 0]), s.h_prev))
+      h_prev=keep(_at(hidden, accepted), s.h_prev))
   return head.replace(mtp_kv=mtp_kv, slots=slots), result
 
 
@@ -212,7 +258,7 @@ def catch_up_commit(model: CausalLM, head: HeadState, active) -> HeadState:
 
   Rows past `pos` in the window are written from stale history; like every row past the
   committed length they are rewritten before they are read. The slot whose window reaches
-  `pos` drafts afresh from its last row.
+  `pos` drafts a fresh chain from its last row.
   """
   s = head.slots
   start = s.pos + 1 - s.mtp_lag                                            # first missing row
@@ -221,11 +267,12 @@ def catch_up_commit(model: CausalLM, head: HeadState, active) -> HeadState:
   tokens = jax.vmap(window)(live_slots(head.history_tokens, k), start)
   hidden = jax.vmap(window)(live_slots(head.history_hidden, k), start)
   positions = start[:, None] + jnp.arange(CATCH_UP_ROWS, dtype=jnp.int32)[None]
-  z, mtp_kv = model.mtp_hidden(tokens, hidden, positions, head.mtp_kv)
+  z, y, mtp_kv = model.mtp_rows(tokens, hidden, positions, head.mtp_kv)
   last = jnp.clip(s.pos - start, 0, CATCH_UP_ROWS - 1)
-  z_last = jnp.take_along_axis(z, last[:, None, None], axis=1)[:, 0]
+  chain, mtp_kv = draft_chain(model, mtp_kv, _at(z, last), _at(y, last), s.pos,
+                              s.draft.shape[1])
   lagging = active & (s.mtp_lag > 0)
   done = lagging & (s.mtp_lag <= CATCH_UP_ROWS)
   return head.replace(mtp_kv=mtp_kv, slots=s.replace(
       mtp_lag=jnp.where(lagging, jnp.maximum(s.mtp_lag - CATCH_UP_ROWS, 0), s.mtp_lag),
-      draft=jnp.where(done, greedy_tokens(model.mtp_logits(z_last)), s.draft)))
+      draft=jnp.where(done[:, None], chain, s.draft)))

@@ -92,13 +92,19 @@ class GlmModel(nnx.Module):
 
     `prev_hidden` is the trunk hidden AFTER output_norm (zero for row 0), per MODEL.md §7.
     """
+    z, _, mtp_kv = self.mtp_rows(tokens, prev_hidden, positions, mtp_kv)
+    return z, mtp_kv
+
+  def mtp_rows(self, tokens, prev_hidden, positions, mtp_kv):
+    """`mtp_hidden` that also returns the block's output before the head norm (y), the hidden
+    a recursive draft chain feeds back (`interface.CausalLM.mtp_rows`): (z, y, new cache)."""
     mtp = self.mtp
     table = mtp.embed if mtp.embed is not None else self.embed
     e = quantized.rows(table, tokens).astype(self.dtype)
     u = jnp.concatenate([mtp.enorm(e), mtp.hnorm(prev_hidden.astype(self.dtype))], axis=-1)
     y, mtp_kv, _ = mtp.block(mtp.eh_proj(u), positions, mtp_kv)
     norm = mtp.head_norm if mtp.head_norm is not None else self.output_norm
-    return norm(y), mtp_kv
+    return norm(y), y, mtp_kv
 
   def mtp_logits(self, z: jax.Array) -> jax.Array:
     mtp = self.mtp

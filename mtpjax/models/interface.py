@@ -71,6 +71,15 @@ class CausalLM(Protocol):
                  mtp_kv) -> tuple[jax.Array, object]:
     """The NextN block over rows (token x_p, post-norm trunk hidden h_{p-1}); new MTP cache."""
 
+  def mtp_rows(self, tokens: jax.Array, prev_hidden: jax.Array, positions: jax.Array,
+               mtp_kv) -> tuple[jax.Array, jax.Array, object]:
+    """`mtp_hidden` plus the block's output y before its head norm: (z, y, new MTP cache).
+
+    A recursive draft chain feeds y back as the next row's hidden, as vLLM's MTP proposer
+    does (`DeepSeekMultiTokenPredictorLayer.forward` returns the residual stream before
+    `shared_head`'s norm, and its proposer loop passes that output back as
+    `previous_hidden_states`), so one GGUF drafts alike in both."""
+
   def mtp_logits(self, z: jax.Array) -> jax.Array:
     """float32 draft logits of the NextN block's output."""
 

@@ -66,6 +66,7 @@ def build_service(config) -> Service:
   """Loads the model the config names, resolves MTP once, warms up and starts the engine."""
   _refuse_multi_process(config)
   speculative.strategy_from_config(config, config.model.name)   # a bad value fails before I/O
+  speculative.max_draft_tokens_from_config(config, config.model.name)
   drafting_policy = AdaptiveDrafting.from_mode(config.engine.adaptive_drafting)
   limits = ServerLimits.from_config(config.server)
   engine_cfg = config.engine
@@ -89,13 +90,14 @@ def build_service(config) -> Service:
   engine = model.engine(native_mtp=settings.native_mtp, slots=settings.slots,
                         max_len=settings.max_len, prefill_buckets=settings.prefill_buckets,
                         timing=settings.timing, logprobs=int(engine_cfg.logprobs),
-                        prefix_cache=int(engine_cfg.prefix_cache))
+                        prefix_cache=int(engine_cfg.prefix_cache),
+                        draft_tokens=settings.draft_window.max)
   tokenizer = GgufTokenizer.from_metadata(model.metadata, path=source)
   chat_template = BudgetedChatTemplate.from_metadata(
       model.metadata, path=source,
       budget=TemplateBudget(seconds=limits.template_timeout_s, max_chars=limits.template_max_chars))
 
-  scheduler = SlotScheduler(engine, adaptive=drafting_policy)
+  scheduler = SlotScheduler(engine, adaptive=drafting_policy, window=settings.draft_window)
   warm_s = _warm_up(scheduler)
   logging.info("compiled and warmed up the engine in %.1f s (%d slots, max_len %d)", warm_s,
                settings.slots, settings.max_len)

@@ -81,7 +81,9 @@ class Service:
         "speculative": {"strategy": r.requested, "scope": r.scope,
                         "native_mtp": self.settings.native_mtp, "mtp_layer_index":
                         r.mtp_layer_index, "disabled_by_env": r.disabled_by_env,
-                        "reason": r.reason, **r.summary()},
+                        "reason": r.reason, **r.summary(),
+                        "draft_window": self.settings.draft_window.as_dict()
+                        if self.settings.native_mtp else None},
     }
 
 

@@ -13,6 +13,7 @@ import threading
 import prometheus_client
 from prometheus_client.core import GaugeMetricFamily
 
+from mtpjax.draft_window import DraftWindow
 from mtpjax.runtime_options import GenerationSettings
 from mtpjax.server.worker import Finished, Generation
 from mtpjax.telemetry import METRIC_PREFIX, MtpStats
@@ -59,6 +60,15 @@ class ServerMetrics:
                "speculative_reason": settings.speculative_reason})
     prometheus_client.Gauge("mtpjax_slots", "decode slots (engine.slots)",
                             registry=r).set(settings.slots)
+    bounds = prometheus_client.Gauge(
+        "mtpjax_native_mtp_draft_window_bounds", "the resolved draft window (draft tokens per "
+        "step): min, initial and max", ("bound",), registry=r)
+    window = settings.draft_window if settings.native_mtp else DraftWindow(0, 0, 0)
+    for bound in ("min", "initial", "max"):
+      bounds.labels(bound).set(getattr(window, bound))
+    self.window_in_use = prometheus_client.Gauge(
+        "mtpjax_native_mtp_draft_window", "draft tokens per live slot in the last engine step "
+        "(0: no slot drafted)", registry=r)
     self.requests = prometheus_client.Counter(
         "mtpjax_requests", "finished generation requests", ("endpoint", "finish_reason"),
         registry=r)
@@ -103,7 +113,8 @@ class ServerMetrics:
     with self.lock:
       self.generated_tokens += count
 
-  def on_step(self, occupancy: list[float], seconds: float) -> None:
+  def on_step(self, occupancy: list[float], seconds: float, window: float = 0.0) -> None:
+    self.window_in_use.set(window)
     self.steps.inc()
     self.step_seconds.inc(seconds)
     for sample in occupancy:

@@ -115,7 +115,7 @@ class WorkerObserver(Protocol):
   def on_submit(self, generation: Generation) -> None: ...
   def on_tokens(self, generation: Generation, count: int) -> None: ...
   def on_finish(self, generation: Generation, finished: Finished) -> None: ...
-  def on_step(self, occupancy: list[float], seconds: float) -> None: ...
+  def on_step(self, occupancy: list[float], seconds: float, window: float = 0.0) -> None: ...
 
 
 class EngineWorker:
@@ -206,7 +206,8 @@ class EngineWorker:
         started = time.perf_counter()
         self.scheduler.step()
         samples = self.scheduler.occupancy_samples
-        self._observer.on_step(list(samples), time.perf_counter() - started)
+        self._observer.on_step(list(samples), time.perf_counter() - started,
+                               self.scheduler.window_in_use)
         samples.clear()                 # the scheduler keeps every sample; bound its memory
       except RequestFailed as failure:  # one request's prefill raised: the state is intact
         logging.warning("a request failed on admission: %s", failure)
@@ -217,7 +218,8 @@ class EngineWorker:
         logging.exception("engine step failed; failing %d live requests and restarting "
                           "with a fresh decode state", len(self._live))
         self._fail_live(error)
-        self.scheduler = SlotScheduler(self.scheduler.engine, adaptive=self.scheduler.adaptive)
+        self.scheduler = SlotScheduler(self.scheduler.engine, adaptive=self.scheduler.adaptive,
+                                       window=self.scheduler.window)
     self._fail_live(RuntimeError("the server is shutting down"))
 
   def _fail_live(self, error: BaseException) -> None:
