@@ -47,7 +47,7 @@ def check_prefix(test, model, engine, prompt):
   np.testing.assert_allclose(logits, model.logits(prompt)[-1], atol=ATOL, rtol=ATOL)
   first = int(prefix.current[0])
   mtp_logits = model.mtp_logits(np.append(prompt, first))
-  test.assertEqual(int(prefix.head.slots.draft[0]), int(np.argmax(mtp_logits[-1])))
+  test.assertEqual(int(prefix.head.slots.draft[0, 0]), int(np.argmax(mtp_logits[-1])))
 
 
 class ChunkPlanTest(absltest.TestCase):
