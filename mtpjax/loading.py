@@ -184,7 +184,8 @@ def load_leaves(source, cfg: ModelConfig, layout: StageLayout, *, dtype="float32
   transposed = linear_weight_paths(abstract)
   filled: dict[tuple, jax.Array] = {}
   start, end = stage_gguf_range(cfg, layout)
-  extra = ["token_embd.weight"] if (("embed",) in expected and not layout.embeddings) else []
+  needs_embedding = any(path[0] == "embed" for path in expected)   # dense, or quantized fields
+  extra = ["token_embd.weight"] if (needs_embedding and not layout.embeddings) else []
   if start < end:
     stream = source.iter_stage_tensors(start, end, embeddings=layout.embeddings,
                                        output=layout.output, extra=extra)
