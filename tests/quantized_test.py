@@ -66,6 +66,23 @@ class ExactnessTest(parameterized.TestCase):
     got = jax.jit(quantized.fused_contract, static_argnums=1)(eye, type_name, fields)
     np.testing.assert_array_equal(np.asarray(got).T, want)
 
+  @parameterized.parameters(*sorted(_SHAPES))
+  def test_int8_is_converted_only_where_stored(self, type_name):
+    # XLA:CPU hands an int8 -> float32 convert in these fusions to YNNPACK, whose convert
+    # crashed (SIGSEGV) in a GLM-4.7-Flash Q4_K_M decode step; centred integers are therefore
+    # subtracted in float32. Only stored int8 fields (Q8_0 quants, Q3_K/Q6_K scales) may be
+    # converted from int8, and only as read.
+    shape = (3,) + _SHAPES[type_name][-1:]
+    fields = {n: jax.ShapeDtypeStruct(s, d)
+              for n, (s, d) in quant_blocks.field_specs(type_name, shape).items()}
+    x = jax.ShapeDtypeStruct((1, shape[-1]), jnp.float32)
+    for jaxpr in (jax.make_jaxpr(quantized.fused_contract, static_argnums=1)(x, type_name, fields),
+                  jax.make_jaxpr(quantized.dequantize_fields, static_argnums=0)(type_name, fields)):
+      inputs = set(jaxpr.jaxpr.invars)
+      computed = [e for e in jaxpr.eqns if e.primitive.name == "convert_element_type"
+                  and e.invars[0].aval.dtype == np.int8 and e.invars[0] not in inputs]
+      self.assertEqual(computed, [])
+
   def test_device_bytes_near_file_bytes(self):
     for type_name, shape in _SHAPES.items():
       tensor = quantized.QuantizedTensor(type_name, shape)

@@ -67,6 +67,16 @@ def _f32(a):
   return a.astype(F32)
 
 
+def _centered(q, offset):
+  """float32 `q - offset` of unsigned integers `q` (and `offset`), subtracted in float32.
+
+  The same values as subtracting in int8 and converting (every operand is a small integer,
+  exact in float32), but XLA:CPU offloads an int8 -> float32 convert in these fusions to
+  YNNPACK (jaxlib 0.10.2), whose int8 convert segfaulted on an XLA worker thread in about a
+  third of the warm-ups of a GLM-4.7-Flash Q4_K_M model (Q6_K planes); no int8 -> no crash."""
+  return _f32(q) - _f32(jnp.asarray(offset, jnp.uint8))
+
+
 def _nibbles(qs, groups: int, width: int):
   """[..., nb, groups*width] bytes -> [..., nb, groups, 2, width]: low nibbles, then high."""
   packed = qs.reshape(qs.shape[:-1] + (groups, 1, width))
@@ -95,9 +105,9 @@ def _blocks(f: dict[str, jax.Array], t: str) -> jax.Array:
       q = q | (_bits(f["qh"], 8).swapaxes(-1, -2).reshape(nb + (32,)) << jnp.uint8(4))
     d = _f32(f["d"])[..., None]
     if t == "Q4_0":
-      return d * _f32(q.astype(jnp.int8) - jnp.int8(8))
+      return d * _centered(q, 8)
     if t == "Q5_0":
-      return d * _f32(q.astype(jnp.int8) - jnp.int8(16))
+      return d * _centered(q, 16)
     return d * _f32(q) + _f32(f["m"])[..., None]
   if t == "Q2_K":
     d, dmin, sc = _f32(f["d"])[..., None], _f32(f["dmin"])[..., None], f["scales"]
@@ -109,7 +119,7 @@ def _blocks(f: dict[str, jax.Array], t: str) -> jax.Array:
     dl = (_f32(f["d"])[..., None] * _f32(f["scales"]))[..., None]
     ql = _crumbs(f["qs"], 2).reshape(nb + (16, 16))
     qh = _bits(f["hmask"], 8).reshape(nb + (16, 16)) ^ jnp.uint8(1)
-    q = _f32(ql.astype(jnp.int8) - (qh << jnp.uint8(2)).astype(jnp.int8))
+    q = _centered(ql, qh << jnp.uint8(2))
     return (dl * q).reshape(nb + (256,))
   if t in ("Q4_K", "Q5_K"):
     d = (_f32(f["d"])[..., None] * _f32(f["sc"]))[..., None]
@@ -122,8 +132,8 @@ def _blocks(f: dict[str, jax.Array], t: str) -> jax.Array:
     d = (_f32(f["d"])[..., None] * _f32(f["scales"]))[..., None]
     ql = _nibbles(f["ql"], 2, 64).reshape(nb + (8, 32))
     qh = _crumbs(f["qh"], 2).reshape(nb + (8, 32))
-    q = ((ql | (qh << jnp.uint8(4))).astype(jnp.int8) - jnp.int8(32)).reshape(nb + (16, 16))
-    return (d * _f32(q)).reshape(nb + (256,))
+    q = _centered(ql | (qh << jnp.uint8(4)), 32).reshape(nb + (16, 16))
+    return (d * q).reshape(nb + (256,))
   raise ValueError(f"no device dequantization for ggml type {t}")
 
 
@@ -184,9 +194,9 @@ def _planes(f: dict[str, jax.Array], t: str):
           bits = _shifted(f["qh"][..., 2 * h + b:2 * h + b + 1], list(range(8)))[..., 0]
           q = q | ((bits & jnp.uint8(1)) << jnp.uint8(4))
         if t == "Q4_0":
-          w = d * _f32(q.astype(jnp.int8) - jnp.int8(8))
+          w = d * _centered(q, 8)
         elif t == "Q5_0":
-          w = d * _f32(q.astype(jnp.int8) - jnp.int8(16))
+          w = d * _centered(q, 16)
         else:
           w = d * _f32(q) + _f32(f["m"])[..., None]
         planes.append(((h, b), w))
@@ -212,7 +222,7 @@ def _planes(f: dict[str, jax.Array], t: str):
       qh = f["qh"].reshape(nb + (2, 2, 16))
       q = ((ql >> jnp.uint8(4 * (s // 2))) & jnp.uint8(0x0F)) | (
           ((qh >> jnp.uint8(2 * s)) & jnp.uint8(3)) << jnp.uint8(4))
-      w = sub(d * _f32(f["scales"])) * _f32(q.astype(jnp.int8) - jnp.int8(32))
+      w = sub(d * _f32(f["scales"])) * _centered(q, 32)
     else:
       q2 = (f["qs"].reshape(nb + (2, 2, 16)) >> jnp.uint8(2 * s)) & jnp.uint8(3)
       if t == "Q2_K":
@@ -222,7 +232,7 @@ def _planes(f: dict[str, jax.Array], t: str):
       else:                                             # Q3_K: high bit 4c + s of hmask[32g + j]
         hbit = (f["hmask"][..., None, :] >> jnp.array([s, 4 + s], jnp.uint8).reshape(2, 1))
         hbit = (hbit & jnp.uint8(1)).reshape(nb + (2, 2, 16)) ^ jnp.uint8(1)
-        q = _f32(q2.astype(jnp.int8) - (hbit << jnp.uint8(2)).astype(jnp.int8))
+        q = _centered(q2, hbit << jnp.uint8(2))
         w = sub(d * _f32(f["scales"])) * q
     planes.append(((slice(None), s), w))
   return (2, 4, 2, 16), planes
