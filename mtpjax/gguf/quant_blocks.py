@@ -61,14 +61,18 @@ def gguf_nbytes(type_name: str, shape: Sequence[int]) -> int:
 
 def field_specs(type_name: str,
                 shape: Sequence[int]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-  """{field: (shape, dtype)} of a tensor of numpy `shape` kept as `type_name` blocks."""
+  """{field: (shape, dtype)} of a tensor of numpy `shape` kept as `type_name` blocks.
+
+  Signed (int8) fields are kept sign-flipped as uint8 (`x ^ 0x80`, i.e. x + 128), and the
+  device centres them by 128 in float32: XLA:CPU's YNNPACK fusions segfaulted converting int8
+  (jaxlib 0.10.2; see `models/quantized.py` `_centered`), and no int8 reaches the device so."""
   lead, n_blocks = tuple(shape[:-1]), int(shape[-1]) // block_size(type_name)
   out = {}
   for name, _, count, dtype in LAYOUTS[type_name]:
     per_block = () if dtype == F16 and count == 2 else (count // dtype.itemsize,)
-    out[name] = (lead + (n_blocks,) + per_block, dtype)
+    out[name] = (lead + (n_blocks,) + per_block, U8 if dtype == I8 else dtype)
   for name, (per_block, dtype) in _DERIVED.get(type_name, {}).items():
-    out[name] = (lead + (n_blocks,) + per_block, dtype)
+    out[name] = (lead + (n_blocks,) + per_block, U8 if dtype == I8 else dtype)
   return out
 
 
@@ -94,4 +98,5 @@ def unpack(type_name: str, raw: np.ndarray, shape: Sequence[int]) -> dict[str, n
   elif type_name in ("Q4_K", "Q5_K"):
     sc, m = quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
     out["sc"], out["m"] = sc.reshape(-1, 8), m.reshape(-1, 8)
-  return {name: out[name].reshape(specs[name][0]) for name in specs}
+  flipped = {name: a.view(U8) ^ np.uint8(0x80) if a.dtype == I8 else a for name, a in out.items()}
+  return {name: flipped[name].reshape(specs[name][0]) for name in specs}

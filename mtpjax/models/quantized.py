@@ -77,6 +77,11 @@ def _centered(q, offset):
   return _f32(q) - _f32(jnp.asarray(offset, jnp.uint8))
 
 
+def _signed(flipped):
+  """float32 values of a signed field the host stored sign-flipped as uint8 (x + 128)."""
+  return _centered(flipped, 128)
+
+
 def _nibbles(qs, groups: int, width: int):
   """[..., nb, groups*width] bytes -> [..., nb, groups, 2, width]: low nibbles, then high."""
   packed = qs.reshape(qs.shape[:-1] + (groups, 1, width))
@@ -98,7 +103,7 @@ def _blocks(f: dict[str, jax.Array], t: str) -> jax.Array:
   """[..., nb, block] float32 values of one type, in gguf-py's order of operations."""
   nb = f["d"].shape
   if t == "Q8_0":
-    return _f32(f["qs"]) * _f32(f["d"])[..., None]
+    return _signed(f["qs"]) * _f32(f["d"])[..., None]
   if t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
     q = _nibbles(f["qs"], 1, 16).reshape(nb + (32,))
     if t in ("Q5_0", "Q5_1"):
@@ -116,7 +121,7 @@ def _blocks(f: dict[str, jax.Array], t: str) -> jax.Array:
     q = _f32(_crumbs(f["qs"], 2).reshape(nb + (16, 16)))
     return (dl * q - ml).reshape(nb + (256,))
   if t == "Q3_K":
-    dl = (_f32(f["d"])[..., None] * _f32(f["scales"]))[..., None]
+    dl = (_f32(f["d"])[..., None] * _signed(f["scales"]))[..., None]
     ql = _crumbs(f["qs"], 2).reshape(nb + (16, 16))
     qh = _bits(f["hmask"], 8).reshape(nb + (16, 16)) ^ jnp.uint8(1)
     q = _centered(ql, qh << jnp.uint8(2))
@@ -129,7 +134,7 @@ def _blocks(f: dict[str, jax.Array], t: str) -> jax.Array:
       q = q | (_bits(f["qh"], 8) << jnp.uint8(4))
     return (d * _f32(q) - dm).reshape(nb + (256,))
   if t == "Q6_K":
-    d = (_f32(f["d"])[..., None] * _f32(f["scales"]))[..., None]
+    d = (_f32(f["d"])[..., None] * _signed(f["scales"]))[..., None]
     ql = _nibbles(f["ql"], 2, 64).reshape(nb + (8, 32))
     qh = _crumbs(f["qh"], 2).reshape(nb + (8, 32))
     q = _centered(ql | (qh << jnp.uint8(4)), 32).reshape(nb + (16, 16))
@@ -184,7 +189,7 @@ def _planes(f: dict[str, jax.Array], t: str):
   nb = f["d"].shape
   d = _f32(f["d"])[..., None]
   if t == "Q8_0":
-    return (32,), [((), _f32(f["qs"]) * d)]
+    return (32,), [((), _signed(f["qs"]) * d)]
   if t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
     planes = []
     for h in range(2):                                  # low nibbles: elements 0-15, high: 16-31
@@ -222,7 +227,7 @@ def _planes(f: dict[str, jax.Array], t: str):
       qh = f["qh"].reshape(nb + (2, 2, 16))
       q = ((ql >> jnp.uint8(4 * (s // 2))) & jnp.uint8(0x0F)) | (
           ((qh >> jnp.uint8(2 * s)) & jnp.uint8(3)) << jnp.uint8(4))
-      w = sub(d * _f32(f["scales"])) * _centered(q, 32)
+      w = sub(d * _signed(f["scales"])) * _centered(q, 32)
     else:
       q2 = (f["qs"].reshape(nb + (2, 2, 16)) >> jnp.uint8(2 * s)) & jnp.uint8(3)
       if t == "Q2_K":
@@ -233,7 +238,7 @@ def _planes(f: dict[str, jax.Array], t: str):
         hbit = (f["hmask"][..., None, :] >> jnp.array([s, 4 + s], jnp.uint8).reshape(2, 1))
         hbit = (hbit & jnp.uint8(1)).reshape(nb + (2, 2, 16)) ^ jnp.uint8(1)
         q = _centered(q2, hbit << jnp.uint8(2))
-        w = sub(d * _f32(f["scales"])) * q
+        w = sub(d * _signed(f["scales"])) * q
     planes.append(((slice(None), s), w))
   return (2, 4, 2, 16), planes
 
