@@ -1,6 +1,40 @@
-"""Shared test setup: simulated CPU devices must be configured before jax is imported."""
+"""Shared test setup: simulated CPU devices must be configured before jax is imported, and
+each module's compiled programs are released after it."""
 
+import gc
+import inspect
 import os
+import unittest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402  (after the flags above)
+import pytest  # noqa: E402
+
+_COMPILED_HOLDERS = ("mtpjax", "jax", "jaxlib", "flax")
+
+
+def _holds_programs(value) -> bool:
+  """Whether a class attribute holds models, engines or arrays (directly or in a dict/list)."""
+  if isinstance(value, dict):
+    return any(_holds_programs(v) for v in value.values())
+  if isinstance(value, list):
+    return any(_holds_programs(v) for v in value)
+  return type(value).__module__.split(".")[0] in _COMPILED_HOLDERS
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs(request):
+  """Every XLA:CPU program holds memory maps; one process running the whole suite passed the
+  kernel's limit (vm.max_map_count, 65530) and crashed inside a compile. After a module, drop
+  the models and engines its test classes built in setUpClass and JAX's caches, so their
+  programs are freed."""
+  yield
+  for _, cls in inspect.getmembers(request.module, inspect.isclass):
+    if issubclass(cls, unittest.TestCase) and cls.__module__ == request.module.__name__:
+      for name, value in list(vars(cls).items()):
+        if not name.startswith("__") and _holds_programs(value):
+          delattr(cls, name)
+  jax.clear_caches()
+  gc.collect()
