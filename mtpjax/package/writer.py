@@ -333,9 +333,9 @@ def join_gguf(src: str | pathlib.Path, out_path: str | pathlib.Path) -> pathlib.
   staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent))
   try:
     with open_source(src) as source:
-      whole = _Fragment("joined", out_path.name, 0, source.layer_count, embeddings=True,
-                        output=True)
-      _write_fragment(source, whole, staging)
+      whole = Fragment("joined", out_path.name, 0, source.layer_count, embeddings=True,
+                       output=True)
+      write_fragment(source, whole, staging)
     os.replace(staging / out_path.name, out_path)
   finally:
     shutil.rmtree(staging, ignore_errors=True)
