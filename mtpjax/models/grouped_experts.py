@@ -78,6 +78,7 @@ def grouped(x, expert_ids, gate, up, down, tile: int | None = None):
   order, experts, rows = _sorted_pairs(expert_ids)
   d = x.shape[-1]
   xs = jnp.concatenate([x[rows], jnp.zeros((tile, d), x.dtype)])
+  max_tiles = -(-pairs // tile)
   sizes = jnp.bincount(experts, length=n_experts)
   starts = jnp.cumsum(sizes) - sizes
 
@@ -97,7 +98,11 @@ def grouped(x, expert_ids, gate, up, down, tile: int | None = None):
         old = jax.lax.dynamic_slice_in_dim(out, s, tile)
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y, old), s, 0)
 
-      return jax.lax.fori_loop(0, (size + tile - 1) // tile, one_tile, out)
+      # A static trip count (an expert holds at most every pair) keeps the loop differentiable
+      # for the demo trainer; tiles past the expert's rows are skipped, not computed.
+      return jax.lax.fori_loop(
+          0, max_tiles,
+          lambda j, out: jax.lax.cond(j * tile < size, one_tile, lambda j, out: out, j, out), out)
 
     return jax.lax.cond(size > 0, run, lambda out: out, out), None
 
