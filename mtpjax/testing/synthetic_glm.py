@@ -25,8 +25,8 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from mtpjax.gguf.tensors import keeps_f32
 from mtpjax.testing.glm_variants import GlmVariant
-from mtpjax.testing.tiny_glm import (_KQUANT_SCALE_FIELDS, TinyGlmSpec, _add_model_keys,
-                                     _random_kquant, _set_f16, add_tokenizer,
+from mtpjax.testing.tiny_glm import (KQUANT_SCALE_FIELDS, TinyGlmSpec, add_model_keys,
+                                     random_kquant, set_f16, add_tokenizer,
                                      encode_tiny_glm_tensor, tensor_type_for,
                                      tiny_tokenizer_metadata)
 
@@ -168,8 +168,8 @@ def _unit_kquant_scales(qtype: GGMLQuantizationType) -> tuple[float, float]:
   tiny_glm's per-block fit over a sample of unit-normal blocks."""
   block = GGML_QUANT_SIZES[qtype][0]
   sample = np.random.default_rng(0).standard_normal((1024, block)).astype(np.float32)
-  fitted = _random_kquant(sample, qtype, 0).reshape(1024, -1)
-  d_off, m_off = _KQUANT_SCALE_FIELDS[qtype]
+  fitted = random_kquant(sample, qtype, 0).reshape(1024, -1)
+  d_off, m_off = KQUANT_SCALE_FIELDS[qtype]
   field = lambda off: float(np.median(
       fitted[:, off:off + 2].copy().view(np.float16).astype(np.float64)))
   return field(d_off), (field(m_off) if m_off is not None else 0.0)
@@ -178,15 +178,15 @@ def _unit_kquant_scales(qtype: GGMLQuantizationType) -> tuple[float, float]:
 def _random_kquant_rows(qtype: GGMLQuantizationType, std: float, n_rows: int, row: int,
                         rng: np.random.Generator) -> np.ndarray:
   """Random K-quant blocks with the same f16 scales everywhere, scaled to `std`: fitting each
-  block (tiny_glm's `_random_kquant`) runs gguf-py's dequantizer twice per block, minutes for a
+  block (tiny_glm's `random_kquant`) runs gguf-py's dequantizer twice per block, minutes for a
   real-shape model, and a benchmark only needs finite, sanely scaled weights."""
   block, type_size = GGML_QUANT_SIZES[qtype]
   d, dmin = _unit_kquant_scales(qtype)
-  d_off, m_off = _KQUANT_SCALE_FIELDS[qtype]
+  d_off, m_off = KQUANT_SCALE_FIELDS[qtype]
   blocks = rng.integers(0, 256, size=(n_rows * row // block, type_size), dtype=np.uint8)
-  blocks = _set_f16(blocks, d_off, std * d)
+  blocks = set_f16(blocks, d_off, std * d)
   if m_off is not None:
-    blocks = _set_f16(blocks, m_off, std * dmin)
+    blocks = set_f16(blocks, m_off, std * dmin)
   return blocks.reshape(n_rows, row // block * type_size)
 
 
@@ -214,7 +214,7 @@ def _generate(spec: TinyGlmSpec, name: str, shape: tuple[int, ...],
   step = max(1, _CHUNK_ELEMENTS // shape[-1])
   for start in range(0, rows_total, step):
     rows = slice(start, min(start + step, rows_total))
-    if qtype in _KQUANT_SCALE_FIELDS:
+    if qtype in KQUANT_SCALE_FIELDS:
       flat[rows] = _random_kquant_rows(qtype, _std(name, shape), rows.stop - rows.start,
                                        shape[-1], _rng(seed, name, rows))
     elif dtype == np.uint8:
@@ -265,7 +265,7 @@ def write_synthetic_gguf(path: str | os.PathLike, v: GlmVariant, n_trunk_layers:
       w.add_tensor_info(name, stored_shape, dtype, nbytes,
                         raw_dtype=qtype if dtype == np.uint8 else None)
       by_type[qtype.name] = by_type.get(qtype.name, 0) + nbytes
-    _add_model_keys(w, spec, f"synthetic-{v.name}")
+    add_model_keys(w, spec, f"synthetic-{v.name}")
     if v.is_mla:
       _add_mla_keys(w, v, n_trunk_layers)
     w.add_string(VARIANT_KEY, v.name)

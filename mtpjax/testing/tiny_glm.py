@@ -76,7 +76,7 @@ _FILE_TYPES = {
 }
 # gguf-py cannot quantize K-quants: these get random blocks with sane f16 scales (MODEL.md
 # §11). Value: byte offsets of the f16 `d` and `dmin` fields in a block (None: no dmin).
-_KQUANT_SCALE_FIELDS = {
+KQUANT_SCALE_FIELDS = {
     GGMLQuantizationType.Q2_K: (80, 82), GGMLQuantizationType.Q3_K: (108, None),
     GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q5_K: (0, 2),
     GGMLQuantizationType.Q6_K: (208, None),
@@ -400,7 +400,7 @@ def tensor_type_for(spec: TinyGlmSpec, name: str, shape: tuple[int, ...]) -> GGM
     return GGMLQuantizationType.F32
   want = GGMLQuantizationType[spec.tensor_type]
   if spec.mtp_copies_trunk and name.endswith("nextn.eh_proj.weight") and (
-      want in _KQUANT_SCALE_FIELDS):
+      want in KQUANT_SCALE_FIELDS):
     want = GGMLQuantizationType.Q8_0  # random K-quant blocks would destroy the identity
   if shape[-1] % GGML_QUANT_SIZES[want][0] == 0:
     return want
@@ -408,14 +408,14 @@ def tensor_type_for(spec: TinyGlmSpec, name: str, shape: tuple[int, ...]) -> GGM
   return GGMLQuantizationType.Q8_0 if shape[-1] % q8_block == 0 else GGMLQuantizationType.F16
 
 
-def _set_f16(blocks: np.ndarray, offset: int, values) -> np.ndarray:
+def set_f16(blocks: np.ndarray, offset: int, values) -> np.ndarray:
   out = blocks.copy()
   half = np.broadcast_to(np.asarray(values, np.float16), (len(blocks),)).copy()
   out[:, offset:offset + 2] = half.view(np.uint8).reshape(-1, 2)
   return out
 
 
-def _random_kquant(a: np.ndarray, qtype: GGMLQuantizationType, seed: int) -> np.ndarray:
+def random_kquant(a: np.ndarray, qtype: GGMLQuantizationType, seed: int) -> np.ndarray:
   """Random K-quant bytes whose blocks match `a`'s per-block std with ~zero mean.
 
   Dequantized values are linear in the f16 `d`/`dmin` fields, so decode the random block once
@@ -423,25 +423,25 @@ def _random_kquant(a: np.ndarray, qtype: GGMLQuantizationType, seed: int) -> np.
   The bytes depend only on `a`'s contents, so copied tensors stay byte-identical.
   """
   block, type_size = GGML_QUANT_SIZES[qtype]
-  d_off, m_off = _KQUANT_SCALE_FIELDS[qtype]
+  d_off, m_off = KQUANT_SCALE_FIELDS[qtype]
   x = a.reshape(-1, block).astype(np.float64)
   rng = np.random.default_rng([seed, zlib.crc32(a.tobytes())])
   raw = rng.integers(0, 256, size=(x.shape[0], type_size), dtype=np.uint8)
-  zero = _set_f16(raw, d_off, 0.0)
+  zero = set_f16(raw, d_off, 0.0)
   if m_off is not None:
-    zero = _set_f16(zero, m_off, 0.0)
-  base = gguf.quants.dequantize(_set_f16(zero, d_off, 1.0), qtype).astype(np.float64)
+    zero = set_f16(zero, m_off, 0.0)
+  base = gguf.quants.dequantize(set_f16(zero, d_off, 1.0), qtype).astype(np.float64)
   ratio = np.zeros(len(x))
   if m_off is not None:
-    offset = gguf.quants.dequantize(_set_f16(zero, m_off, 1.0), qtype).astype(np.float64)
+    offset = gguf.quants.dequantize(set_f16(zero, m_off, 1.0), qtype).astype(np.float64)
     mean_off = offset.mean(axis=1)
     ratio = np.divide(base.mean(axis=1), -mean_off, out=np.zeros(len(x)), where=mean_off != 0)
     base = base + ratio[:, None] * offset
   spread = base.std(axis=1)
   d = np.divide(x.std(axis=1), spread, out=np.zeros(len(x)), where=spread > 0)
-  out = _set_f16(zero, d_off, d)
+  out = set_f16(zero, d_off, d)
   if m_off is not None:
-    out = _set_f16(out, m_off, d * ratio)
+    out = set_f16(out, m_off, d * ratio)
   return out.reshape(*a.shape[:-1], a.shape[-1] // block * type_size)
 
 
@@ -453,8 +453,8 @@ def encode_tiny_glm_tensor(spec: TinyGlmSpec, name: str, a: np.ndarray
     return a.astype(np.float32), qtype
   if qtype == GGMLQuantizationType.F16:
     return a.astype(np.float16), qtype
-  if qtype in _KQUANT_SCALE_FIELDS:
-    return _random_kquant(a, qtype, spec.seed), qtype
+  if qtype in KQUANT_SCALE_FIELDS:
+    return random_kquant(a, qtype, spec.seed), qtype
   return gguf.quants.quantize(a, qtype), qtype
 
 
@@ -471,7 +471,7 @@ def stored_tiny_glm_tensors(spec: TinyGlmSpec = TinyGlmSpec()) -> dict[str, np.n
 # Writing
 
 
-def _add_model_keys(w: gguf.GGUFWriter, spec: TinyGlmSpec, model_name: str) -> None:
+def add_model_keys(w: gguf.GGUFWriter, spec: TinyGlmSpec, model_name: str) -> None:
   """Key/values in the order llama.cpp's converter writes them for glm4moe.
 
   Call after the tensors are added: `general.size_label` is computed from them.
@@ -534,7 +534,7 @@ def write_glm_gguf(path: str | os.PathLike, spec: TinyGlmSpec, tensors: dict[str
         w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
       else:
         w.add_tensor(name, data)
-    _add_model_keys(w, spec, model_name)
+    add_model_keys(w, spec, model_name)
     add_tokenizer(w, tokenizer_metadata)
     w.write_header_to_file()
     w.write_kv_data_to_file()
