@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import tempfile
 import zlib
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from mtpjax.gguf.tensors import keeps_f32
 from mtpjax.testing.glm_variants import GlmVariant
 from mtpjax.testing.tiny_glm import (KQUANT_SCALE_FIELDS, TinyGlmSpec, add_model_keys,
-                                     random_kquant, set_f16, add_tokenizer,
+                                     random_kquant, set_f16, add_tokenizer, staged_gguf_writer,
                                      encode_tiny_glm_tensor, tensor_type_for,
                                      tiny_tokenizer_metadata)
 
@@ -254,11 +253,8 @@ def write_synthetic_gguf(path: str | os.PathLike, v: GlmVariant, n_trunk_layers:
   path = Path(path)
   spec = type_spec(v, n_trunk_layers, tensor_type)
   shapes = tensor_shapes(v, n_trunk_layers)
-  fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-  os.close(fd)
-  w = gguf.GGUFWriter(tmp, v.arch)
   by_type: dict[str, int] = {}
-  try:
+  with staged_gguf_writer(path, v.arch) as w:
     stored = {name: _stored(spec, name, shape) for name, shape in shapes.items()}
     for name, (qtype, stored_shape, dtype) in stored.items():
       nbytes = math.prod(stored_shape) * dtype.itemsize
@@ -276,10 +272,4 @@ def write_synthetic_gguf(path: str | os.PathLike, v: GlmVariant, n_trunk_layers:
     w.write_ti_data_to_file()
     for name, layout in stored.items():
       w.write_tensor_data(_generate(spec, name, shapes[name], layout, seed))
-    w.close()
-    os.replace(tmp, path)
-  finally:
-    w.close()
-    if os.path.exists(tmp):
-      os.unlink(tmp)
   return by_type

@@ -12,6 +12,7 @@ so toggling an optional tensor does not reshuffle the others.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -512,6 +513,24 @@ def write_tiny_glm_gguf(path: str | os.PathLike, spec: TinyGlmSpec = TinyGlmSpec
   return write_glm_gguf(path, spec, build_tiny_glm_tensors(spec),
                         tiny_tokenizer_metadata(spec.vocab_size),
                         split_max_tensors=split_max_tensors)
+
+
+@contextlib.contextmanager
+def staged_gguf_writer(path: str | os.PathLike, arch: str):
+  """A `GGUFWriter` on a temporary file next to `path`, renamed into place when the block
+  finishes without error (so a crash never leaves a partial GGUF) and removed otherwise."""
+  path = Path(path)
+  fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+  os.close(fd)
+  w = gguf.GGUFWriter(tmp, arch)
+  try:
+    yield w
+    w.close()
+    os.replace(tmp, path)
+  finally:
+    w.close()
+    if os.path.exists(tmp):
+      os.unlink(tmp)
 
 
 def write_glm_gguf(path: str | os.PathLike, spec: TinyGlmSpec, tensors: dict[str, np.ndarray],

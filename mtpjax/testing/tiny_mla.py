@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 import zlib
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-from mtpjax.testing.tiny_glm import add_tokenizer, tiny_tokenizer_metadata
+from mtpjax.testing.tiny_glm import add_tokenizer, staged_gguf_writer, tiny_tokenizer_metadata
 
 ARCH = "glm-dsa"
 
@@ -101,10 +100,7 @@ def write_tiny_dsa_gguf(path: str | os.PathLike, spec: TinyDsaSpec = TinyDsaSpec
   """Write the model (weights + tokenizer) to `path` atomically; returns the tensors."""
   path = Path(path)
   tensors = build_tiny_dsa_tensors(spec)
-  fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-  os.close(fd)
-  w = gguf.GGUFWriter(tmp, ARCH)
-  try:
+  with staged_gguf_writer(path, ARCH) as w:
     for name, a in tensors.items():
       w.add_tensor(name, a)
     w.add_type("model")
@@ -138,10 +134,4 @@ def write_tiny_dsa_gguf(path: str | os.PathLike, spec: TinyDsaSpec = TinyDsaSpec
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, path)
-  finally:
-    w.close()
-    if os.path.exists(tmp):
-      os.unlink(tmp)
   return tensors
