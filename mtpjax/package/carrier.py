@@ -73,13 +73,8 @@ def layer_ordinal(path: str) -> int | None:
 
 def _read_verified(root: pathlib.Path, path: str, byte_size: int, sha256: str) -> bytes:
   """The carrier's bytes, its size and SHA-256 checked in the one read that loads it."""
-  file_path = integrity.resolve_part(root, path, "metadata carrier")
-  check = integrity.inspect_part(root, path, role="metadata carrier", artifact_bytes=byte_size,
-                                 sha256=None, check_sha=False)
-  if check.issue is not None:
-    error_type = errors.PackageError if not check.present else errors.IntegrityError
-    raise error_type(check.issue["message"], path=str(file_path), field="metadata carrier",
-                     remedy=check.issue["remediation"])
+  file_path = integrity.verify_part(root, path, role="metadata carrier", artifact_bytes=byte_size,
+                                    sha256=sha256, check_sha=False)
   data = file_path.read_bytes()
   digest = hashlib.sha256(data).hexdigest()
   if len(data) != byte_size or digest != sha256:

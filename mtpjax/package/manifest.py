@@ -213,14 +213,7 @@ def manifest_issues(raw: object, package_root: pathlib.Path | None = None) -> li
   root = None if package_root is None else pathlib.Path(package_root)
   schema = raw.get("schema_version")
   if schema == manifest_v2.SCHEMA_VERSION and is_int(schema):
-    found = manifest_v2.root_issues(raw, root)
-    if root is not None and not errors_of(found):
-      try:
-        found.extend(manifest_v2.resolve(raw, root)[1])
-      except errors.MtpjaxError as error:      # the carrier is missing, corrupt or not a GGUF
-        found.append(issue("invalid_metadata_artifact", error.message,
-                           path="source_model.metadata_artifact_id"))
-    return found
+    return check_v2(raw, root)[1]
   if schema != 1 or not is_int(schema):
     return [issue("unsupported_schema_version",
                   f"unsupported package manifest schema_version {schema} (mtpjax reads 1 and 2)")]
@@ -317,6 +310,20 @@ def _source_model(raw: dict) -> SourceModel:
                      revision=raw.get("revision"), primary_file=raw.get("primary_file"),
                      canonical_ref=raw.get("canonical_ref"),
                      distribution_id=raw.get("distribution_id"), files=files)
+
+
+def check_v2(raw: dict, root: pathlib.Path | None) -> tuple[Manifest | None, list[dict]]:
+  """A v2 root's issues and, with `root` and no error, its Manifest: the metadata carrier is
+  read and hashed once for both (preflight needs the two; `manifest_issues` the issues)."""
+  found = manifest_v2.root_issues(raw, root)
+  if root is None or errors_of(found):
+    return None, found
+  try:
+    manifest, more = manifest_v2.resolve(raw, root)
+  except errors.MtpjaxError as error:      # the carrier is missing, corrupt or not a GGUF
+    return None, found + [issue("invalid_metadata_artifact", error.message,
+                                path="source_model.metadata_artifact_id")]
+  return manifest, found + more
 
 
 def parse_manifest(data: dict | bytes, *, path: str | pathlib.Path,

@@ -159,7 +159,7 @@ def preflight(package_dir: str | pathlib.Path, *, stages: int | None = None,
   found: list[dict] = []
   artifacts: list[dict] = []
   stage_reports: list[dict] = []
-  digest = raw = None
+  digest = raw = v2 = None
   manifest_path = root / manifest_lib.MANIFEST_NAME
   try:
     data = manifest_path.read_bytes()
@@ -171,11 +171,11 @@ def preflight(package_dir: str | pathlib.Path, *, stages: int | None = None,
     raw, record = manifest_lib.decode_manifest_bytes(data)
     if record is not None:
       found.append(record)
+    elif isinstance(raw, dict) and raw.get("schema_version") == 2:
+      v2, more = manifest_lib.check_v2(raw, root)     # the carrier is read once for both
+      found.extend(more)
     else:
       found.extend(manifest_lib.manifest_issues(raw, root))
-  v2 = None
-  if isinstance(raw, dict) and raw.get("schema_version") == 2 and not errors_of(found):
-    v2 = manifest_lib.parse_manifest(raw, path=manifest_path, package_root=root)
   usable = isinstance(raw, dict) and (raw.get("schema_version") == 1 or v2 is not None)
   fields = {"model_id": None, "layer_count": None, "activation_width": None}
   if usable:

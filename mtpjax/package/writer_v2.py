@@ -69,8 +69,7 @@ def _write_carrier(inputs: writer.PackageInputs, locations: dict[str, tuple[int,
     out.add_uint32(carrier_lib.PART_COUNT_KEY, part_count)
     out.add_uint32(carrier_lib.LOCATOR_SCHEMA_KEY, carrier_lib.LOCATOR_SCHEMA)
     names = list(source.tensors)
-    for key, item_type in carrier_lib.LOCATOR_ARRAYS.items():
-      column = list(carrier_lib.LOCATOR_ARRAYS).index(key)
+    for column, (key, item_type) in enumerate(carrier_lib.LOCATOR_ARRAYS.items()):
       out.add_key_value(key, _array(item_type, [locations[name][column] for name in names]),
                         gguf.GGUFValueType.ARRAY)
     for name, info in source.tensors.items():
