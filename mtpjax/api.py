@@ -141,9 +141,8 @@ class Model:
   def _load_layout(self, layout: StageLayout, sharding_fn) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, state) of one layout, from the checkpoint parts or streamed from the source."""
     if self._checkpoint_dir is not None:
-      formats = loading.weight_formats(self.source.tensor_types, self.config, layout,
-                                       self.weight_mode)
-      graphdef, abstract = loading.abstract_model(self.config, layout, self.dtype, formats)
+      graphdef, abstract, _ = loading.abstract_stage(self.config, layout, self.dtype,
+                                                     self.source.tensor_types, self.weight_mode)
       leaves = checkpoint.restore_leaves(self._checkpoint_dir, layout,
                                          loading.flat_paths(abstract), sharding_fn)
       return loading.assemble(graphdef, abstract, leaves)

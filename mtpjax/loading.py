@@ -72,11 +72,13 @@ def _quantizable(leaf) -> tuple[int, ...] | None:
 
 
 def weight_formats(types: Mapping[str, str], cfg: ModelConfig, layout: StageLayout,
-                   weights: str) -> dict[tuple, str]:
-  """{parameter path: ggml type} of the parameters a stage keeps quantized."""
+                   weights: str, model=None) -> dict[tuple, str]:
+  """{parameter path: ggml type} of the parameters a stage keeps quantized (`model`: the
+  stage's abstract model when the caller has built it already)."""
   if resolve_weights(weights) == "dense":
     return {}
-  model = nnx.eval_shape(lambda: registry.build(cfg, layout, jnp.float32))
+  if model is None:
+    model = nnx.eval_shape(lambda: registry.build(cfg, layout, jnp.float32))
   leaves = {tuple(p): leaf for p, leaf in nnx.to_flat_state(nnx.state(model))}
   formats = {}
   for name, type_name in types.items():
@@ -99,16 +101,24 @@ def _module_at(model, path: tuple):
   return model
 
 
-def abstract_model(cfg: ModelConfig, layout: StageLayout, dtype,
-                   formats: Mapping[tuple, str] | None = None) -> tuple[nnx.GraphDef, nnx.State]:
-  """The model's structure and parameter shapes, without allocating any parameter; the
-  parameters in `formats` are `QuantizedTensor`s of that ggml type."""
+def abstract_model(cfg: ModelConfig, layout: StageLayout, dtype
+                   ) -> tuple[nnx.GraphDef, nnx.State]:
+  """The model's structure and parameter shapes, without allocating any parameter."""
+  graphdef, abstract, _ = abstract_stage(cfg, layout, dtype, {}, "dense")
+  return graphdef, abstract
+
+
+def abstract_stage(cfg: ModelConfig, layout: StageLayout, dtype, types: Mapping[str, str],
+                   weights: str) -> tuple[nnx.GraphDef, nnx.State, dict[tuple, str]]:
+  """`abstract_model` with the parameters `weight_formats` keeps quantized as
+  `QuantizedTensor`s of their ggml type, and those formats; the model is built once."""
   model = nnx.eval_shape(lambda: registry.build(cfg, layout, resolve_dtype(dtype)))
-  for path, type_name in (formats or {}).items():
+  formats = weight_formats(types, cfg, layout, weights, model)
+  for path, type_name in formats.items():
     parent = _module_at(model, path[:-1])
     shape = _quantizable(getattr(parent, path[-1]))
     setattr(parent, path[-1], nnx.eval_shape(lambda: QuantizedTensor(type_name, shape)))
-  return nnx.split(model)
+  return (*nnx.split(model), formats)
 
 
 def flat_paths(state: nnx.State) -> dict[tuple, jax.ShapeDtypeStruct]:
@@ -178,8 +188,7 @@ def load_leaves(source, cfg: ModelConfig, layout: StageLayout, *, dtype="float32
   Returns (graphdef, abstract state, {path: array}); tensors the stage does not use are never
   read further than their bytes.
   """
-  formats = weight_formats(tensor_types(source), cfg, layout, weights)
-  graphdef, abstract = abstract_model(cfg, layout, dtype, formats)
+  graphdef, abstract, formats = abstract_stage(cfg, layout, dtype, tensor_types(source), weights)
   expected = {p: s for p, s in flat_paths(abstract).items() if keep is None or keep(p)}
   transposed = linear_weight_paths(abstract)
   filled: dict[tuple, jax.Array] = {}
