@@ -12,7 +12,6 @@ from gguf import quants
 from gguf.constants import GGMLQuantizationType
 from flax import nnx
 
-from mtpjax.gguf import quant_blocks
 from mtpjax.models import grouped_experts
 from mtpjax.models.quantized import QuantizedTensor
 
@@ -32,9 +31,7 @@ def _quantized(rng, shape):
   """A Q8_0 expert stack from real quantization of random values, and its dequantization."""
   values = rng.standard_normal(shape).astype(np.float32) * 0.2
   raw = quants.quantize(values, GGMLQuantizationType.Q8_0)
-  tensor = QuantizedTensor("Q8_0", shape)
-  for name, array in quant_blocks.unpack("Q8_0", raw, shape).items():
-    getattr(tensor, name)[...] = jnp.asarray(array)
+  tensor = QuantizedTensor.from_raw("Q8_0", raw, shape)
   return tensor, quants.dequantize(raw, GGMLQuantizationType.Q8_0).reshape(shape)
 
 

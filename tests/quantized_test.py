@@ -94,9 +94,7 @@ class ExactnessTest(parameterized.TestCase):
     shape = (48, 512)
     raw = random_valid_blocks(rng, "Q4_K", shape)
     dense = quants.dequantize(raw, GGMLQuantizationType.Q4_K).reshape(shape)
-    tensor = quantized.QuantizedTensor("Q4_K", shape)
-    for name, array in quant_blocks.unpack("Q4_K", raw, shape).items():
-      getattr(tensor, name)[...] = jnp.asarray(array)
+    tensor = quantized.QuantizedTensor.from_raw("Q4_K", raw, shape)
     for rows in (1, quantized.fused_rows() + 4):
       x = rng.standard_normal((rows, shape[1])).astype(np.float32) * 1e-3
       got = np.asarray(jax.jit(quantized.matmul)(jnp.asarray(x), tensor))

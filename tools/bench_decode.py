@@ -40,7 +40,7 @@ import numpy as np
 from absl import app, flags
 
 import mtpjax
-from mtpjax import errors
+from mtpjax import errors, loading
 from mtpjax.draft_window import MAX_DRAFT_TOKENS, DraftWindow
 from mtpjax.engine.contract import pow2_bucket, warm_up
 from mtpjax.engine.scheduler import AdaptiveDrafting, Request, Result, SlotScheduler
@@ -67,7 +67,7 @@ _ROUNDS = flags.DEFINE_integer("rounds", 3, "measured (off, on) pairs")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 is greedy")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "nucleus mass")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weight dtype")
-_WEIGHTS = flags.DEFINE_enum("weights", "quantized", ["quantized", "dense"],
+_WEIGHTS = flags.DEFINE_enum("weights", "quantized", list(loading.WEIGHTS),
                              "quantized: GGUF quantization kept on the device; dense: dequantized")
 _DRAFT_TOKENS = flags.DEFINE_list(
     "draft_tokens", ["1"], "draft windows to measure: draft tokens per step (1..8) or "

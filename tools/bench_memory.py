@@ -23,11 +23,12 @@ import json
 from absl import app, flags
 
 import mtpjax
+from mtpjax import loading
 from tools import weight_bytes
 
 _SOURCE = flags.DEFINE_string("source", None, "GGUF or layer package to load", required=True)
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "mtpjax dtype")
-_WEIGHTS = flags.DEFINE_enum("weights", "quantized", ["quantized", "dense"],
+_WEIGHTS = flags.DEFINE_enum("weights", "quantized", list(loading.WEIGHTS),
                              "mtpjax.load(weights=...)")
 _HEADROOM = flags.DEFINE_float("headroom", 0.15, "share of a target's memory kept for the KV "
                                "cache, activations and the runtime")

@@ -23,7 +23,6 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from mtpjax.gguf import quant_blocks
 from mtpjax.models import grouped_experts
 from mtpjax.models.quantized import QuantizedTensor
 from mtpjax.testing.random_blocks import random_valid_blocks
@@ -41,11 +40,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "timed calls per variant (best is 
 def _weight(rng, shape):
   if _TYPE.value == "F32":
     return nnx.Param(jnp.asarray(rng.standard_normal(shape).astype(np.float32) * 0.05))
-  tensor = QuantizedTensor(_TYPE.value, shape)
   raw = random_valid_blocks(rng, _TYPE.value, shape, max_scale=1e-3)
-  for name, array in quant_blocks.unpack(_TYPE.value, raw, shape).items():
-    getattr(tensor, name)[...] = jnp.asarray(array)
-  return tensor
+  return QuantizedTensor.from_raw(_TYPE.value, raw, shape)
 
 
 def _rows(rng, n, k):

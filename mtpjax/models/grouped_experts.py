@@ -121,7 +121,7 @@ def routed(x, expert_ids, gate, up, down):
 def every_expert(x, expert_ids, gate, up, down):
   """Reference: every expert on every row, then the selected outputs (rows x experts work)."""
   def dense(w):
-    return quantized.values(*quantized.gather(w, jnp.arange(w.shape[0]))).astype(x.dtype)
+    return (w.dequantize() if isinstance(w, quantized.QuantizedTensor) else w[...]).astype(x.dtype)
   act = jax.nn.silu(jnp.einsum("nd,efd->nef", x, dense(gate)))
   act = act * jnp.einsum("nd,efd->nef", x, dense(up))
   every = jnp.einsum("nef,edf->ned", act, dense(down))

@@ -45,6 +45,14 @@ class QuantizedTensor(nnx.Module):
     for name, (field_shape, dtype) in quant_blocks.field_specs(type_name, shape).items():
       setattr(self, name, nnx.Param(jnp.zeros(field_shape, dtype)))
 
+  @classmethod
+  def from_raw(cls, type_name: str, raw, shape: tuple[int, ...]) -> "QuantizedTensor":
+    """A tensor holding the GGUF blocks `raw` (bytes of a `shape` tensor, in file order)."""
+    tensor = cls(type_name, shape)
+    for name, array in quant_blocks.unpack(type_name, raw, shape).items():
+      getattr(tensor, name)[...] = jnp.asarray(array)
+    return tensor
+
   @property
   def field_names(self) -> tuple[str, ...]:
     return tuple(quant_blocks.field_specs(self.type_name, self.shape))

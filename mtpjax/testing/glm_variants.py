@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from mtpjax.models.config import MLA_ARCHS
+
 
 @dataclasses.dataclass(frozen=True)
 class GlmVariant:
@@ -67,7 +69,7 @@ class GlmVariant:
 
   @property
   def is_mla(self) -> bool:
-    return self.arch in ("deepseek2", "glm-dsa")
+    return self.arch in MLA_ARCHS
 
 
 _GLM45 = dict(arch="glm4moe", real_layers=92, hidden=5120, n_heads=96, n_kv_heads=8,
