@@ -227,13 +227,11 @@ def _add_mla_keys(w: gguf.GGUFWriter, v: GlmVariant, n_trunk_layers: int) -> Non
   arch, u32 = v.arch, gguf.GGUFValueType.UINT32
 
   def put(key: str, value, vtype=u32) -> None:
-    w.kv_data[0].pop(f"{arch}.{key}", None)   # replace tiny_glm's GQA value silently
     w.add_key_value(f"{arch}.{key}", value, vtype)
 
   put("vocab_size", v.vocab_size)
   put("attention.q_lora_rank", v.q_lora)
   put("attention.kv_lora_rank", v.kv_lora)
-  put("attention.value_length", v.kv_lora)
   put("attention.key_length_mla", v.qk_nope + v.qk_rope)
   put("attention.value_length_mla", v.v_head)
   if arch == "glm-dsa":
@@ -261,7 +259,7 @@ def write_synthetic_gguf(path: str | os.PathLike, v: GlmVariant, n_trunk_layers:
       w.add_tensor_info(name, stored_shape, dtype, nbytes,
                         raw_dtype=qtype if dtype == np.uint8 else None)
       by_type[qtype.name] = by_type.get(qtype.name, 0) + nbytes
-    add_model_keys(w, spec, f"synthetic-{v.name}")
+    add_model_keys(w, spec, f"synthetic-{v.name}", value_length=v.kv_lora if v.is_mla else None)
     if v.is_mla:
       _add_mla_keys(w, v, n_trunk_layers)
     w.add_string(VARIANT_KEY, v.name)

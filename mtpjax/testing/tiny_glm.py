@@ -472,8 +472,10 @@ def stored_tiny_glm_tensors(spec: TinyGlmSpec = TinyGlmSpec()) -> dict[str, np.n
 # Writing
 
 
-def add_model_keys(w: gguf.GGUFWriter, spec: TinyGlmSpec, model_name: str) -> None:
-  """Key/values in the order llama.cpp's converter writes them for glm4moe.
+def add_model_keys(w: gguf.GGUFWriter, spec: TinyGlmSpec, model_name: str, *,
+                   value_length: int | None = None) -> None:
+  """Key/values in the order llama.cpp's converter writes them for glm4moe (`value_length`:
+  an MLA model's latent width instead of the head width).
 
   Call after the tensors are added: `general.size_label` is computed from them.
   """
@@ -493,7 +495,7 @@ def add_model_keys(w: gguf.GGUFWriter, spec: TinyGlmSpec, model_name: str) -> No
   w.add_expert_group_count(spec.n_groups)
   w.add_expert_group_used_count(spec.groups_used)
   w.add_key_length(spec.head_dim)
-  w.add_value_length(spec.head_dim)
+  w.add_value_length(spec.head_dim if value_length is None else value_length)
   w.add_file_type(_FILE_TYPES[spec.tensor_type])
   w.add_rope_dimension_count(spec.rope_dims)
   w.add_expert_feed_forward_length(spec.expert_ffn)
