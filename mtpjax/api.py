@@ -32,7 +32,7 @@ from mtpjax.engine.plan import PipelinePlan, make_hops, pipeline_mesh, plan_pipe
     selection_like
 from mtpjax.engine.sampling import MAX_TOP_LOGPROBS, SamplerParams
 from mtpjax.engine.scheduler import AdaptiveDrafting, Request, Result, SlotScheduler
-from mtpjax.engine.steps import fresh_forward, fresh_mtp_hidden
+from mtpjax.engine.steps import fresh_forward, fresh_mtp_rows
 from mtpjax.models import registry
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.interface import StageLayout, previous_hidden
@@ -68,6 +68,7 @@ class Model:
     self.dtype = dtype
     self.weight_mode = weights      # "quantized" | "dense" (loading.WEIGHTS)
     self.resolution = resolution
+    self._run_config = config
     self.mesh = mesh if mesh is not None else sharding.make_mesh(stages=1, tensor=1)
     self._checkpoint_dir = checkpoint_dir
     self._weights: dict[bool, Any] = {}
@@ -173,7 +174,7 @@ class Model:
   def _jit_mtp(self):
     def run(graphdef, state, tokens, prev_hidden):
       model = nnx.merge(graphdef, state)
-      return model.mtp_logits(fresh_mtp_hidden(model, tokens, prev_hidden))
+      return model.mtp_logits(fresh_mtp_rows(model, tokens, prev_hidden)[0])
     return jax.jit(run, static_argnums=0)
 
   def _padded(self, token_ids) -> tuple[np.ndarray, int]:
@@ -238,13 +239,9 @@ class Model:
     """The strategy for one call: None keeps the load-time resolution."""
     if requested is None:
       return self.resolution
-    canonical = speculative.normalize_strategy(requested, "generate(speculative=...)")
-    return speculative.resolve_speculative(
-        model_id=self.resolution.model_id, requested=canonical,
-        scope="generate(speculative=...)", source_kind=self.source.kind,
-        manifest=self.source.manifest, layer_count=self.source.layer_count,
-        gguf_metadata=self.source.metadata, tensor_names=self.source.tensors.keys(),
-        source_path=str(self.source.path))
+    return speculative.resolve_for_source(
+        self._run_config or {}, _model_name(self._run_config), self.source,
+        override=(requested, "generate(speculative=...)"))
 
   def engine(self, *, native_mtp: bool, slots: int = 1, max_len: int = 512,
              prefill_buckets: Sequence[int] | None = None, timing: bool = False,
@@ -277,9 +274,8 @@ class Model:
     `AdaptiveDrafting`); the tokens are the same either way. `draft_window`: drafts per step
     (default: the resolved strategy's window).
     """
-    resolution = self.resolution if speculative is None else self.resolve(speculative)
-    native_mtp = (self.generation_settings.native_mtp if speculative is None
-                  else resolution.native_mtp)
+    resolution = self.resolve(speculative)
+    native_mtp = resolution.native_mtp
     window = resolution.draft_window if draft_window is None else draft_window
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     max_len = max(128, pow2_bucket(prompt.size + max_new_tokens + 1))

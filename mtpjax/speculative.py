@@ -580,9 +580,15 @@ def max_draft_tokens_from_config(config: Any, model_name: str) -> tuple[int | No
 
 
 def resolve_for_source(config: Any, model_name: str, source: Any,
-                       env: Mapping[str, str] | None = None) -> SpeculativeResolution:
-  """Resolution for an opened source (kind, manifest, metadata, tensors, layer_count, path)."""
-  requested, scope = strategy_from_config(config, model_name)
+                       env: Mapping[str, str] | None = None,
+                       override: tuple[str, str] | None = None) -> SpeculativeResolution:
+  """Resolution for an opened source (kind, manifest, metadata, tensors, layer_count, path);
+  `override` (value, scope) replaces the config's strategy (a `generate(speculative=...)`),
+  the rest of the config (the draft window) still applies."""
+  if override is None:
+    requested, scope = strategy_from_config(config, model_name)
+  else:
+    requested, scope = normalize_strategy(override[0], override[1]), override[1]
   max_draft_tokens, field = max_draft_tokens_from_config(config, model_name)
   manifest = source.manifest
   path = None if source.path is None else str(source.path)

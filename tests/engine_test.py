@@ -2,7 +2,7 @@
 
 References are independent of the engine: the llama.cpp-converted fixture with transformers'
 greedy continuation, full-sequence forwards (`Model.logits`, `model.forward` over the whole
-committed sequence with a fresh cache) and from-scratch MTP passes (`model.mtp_hidden`).
+committed sequence with a fresh cache) and from-scratch MTP passes (`model.mtp_rows`).
 """
 
 import functools
@@ -57,8 +57,8 @@ def scratch_passes(graphdef, params, tokens):
   hidden, kv, _ = stage_forward(model, tokens, positions,
                                 init_kv(cfg, cfg.n_layers, 1, length, jnp.float32))
   prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
-  z, mtp_kv = model.mtp_hidden(tokens, prev, positions,
-                               init_kv(cfg, 1, 1, length, jnp.float32)[0])
+  z, _, mtp_kv = model.mtp_rows(tokens, prev, positions,
+                                init_kv(cfg, 1, 1, length, jnp.float32)[0])
   return hidden, kv, mtp_kv, model.mtp_logits(z)
 
 

@@ -196,16 +196,19 @@ class Engine:
                      logprobs=logprobs, kv=[], carry=None)
     entry = None
     if self.prefix_cache is not None:
-      job.cached, entry = self.prefix_cache.longest(prompt)
-      job.save = self.prefix_cache.to_save(prompt, job.cached)
+      keys = self.prefix_cache.page_keys(prompt)
+      job.cached, entry = self.prefix_cache.longest(keys)
+      job.save = self.prefix_cache.to_save(keys, job.cached)
     if entry is not None:   # the job donates its caches: the entry keeps its own
       job.kv, job.carry = jax.tree.map(jnp.copy, entry)
       job.chunks = self.engine_cfg.prefill_chunks(prompt, job.cached)[1]
       return job
     job.kv = [self._zero_caches(s, 1) for s in range(len(self.layouts))]
-    if self.hops.local(self.last):
-      head = self._empty_head(1)
-      job.carry = (head.slots.h_prev, head.mtp_kv)
+    if self.hops.local(self.last):   # h_{-1} and the NextN cache, not a whole head state
+      here = self.hops.shardings[self.last]
+      zeros = lambda shape, dtype: jnp.zeros(shape, dtype, device=here)
+      job.carry = (zeros((1, self.cfg.hidden), self.dtype),
+                   steps.empty_mtp_kv(self.cfg, self.engine_cfg, 1, self.dtype, zeros))
     return job
 
   def prefill_chunk(self, job: PrefillJob) -> bool:

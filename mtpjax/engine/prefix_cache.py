@@ -33,19 +33,19 @@ class PrefixCache:
       keys.append((end, chain))
     return keys
 
-  def longest(self, prompt: np.ndarray) -> tuple[int, object]:
-    """(tokens, entry) of the longest cached prefix of `prompt`; (0, None) when none is."""
-    for end, key in reversed(self.page_keys(prompt)):
+  def longest(self, keys: list[tuple[int, bytes]]) -> tuple[int, object]:
+    """(tokens, entry) of the longest cached prefix among a prompt's `page_keys`; (0, None)
+    when none is."""
+    for end, key in reversed(keys):
       if key in self._entries:
         self._entries.move_to_end(key)
         return end, self._entries[key]
     return 0, None
 
-  def to_save(self, prompt: np.ndarray, cached: int) -> tuple[int, bytes] | None:
-    """(tokens, key) of the prefix a prefill of `prompt` should cache on its way: its longest
-    whole-page prefix, unless that is cached already (None then). A long prompt's last full
-    chunk ends there (`EngineConfig.prefill_chunks`)."""
-    keys = self.page_keys(prompt)
+  def to_save(self, keys: list[tuple[int, bytes]], cached: int) -> tuple[int, bytes] | None:
+    """(tokens, key) of the prefix a prefill should cache on its way, from its prompt's
+    `page_keys`: its longest whole-page prefix, unless that is cached already (None then). A
+    long prompt's last full chunk ends there (`EngineConfig.prefill_chunks`)."""
     if not keys or keys[-1][0] <= cached or keys[-1][1] in self._entries:
       return None
     return keys[-1]

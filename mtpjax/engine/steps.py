@@ -39,10 +39,17 @@ def empty_head(cfg: ModelConfig, engine_cfg: EngineConfig, batch: int, dtype, ze
   if not engine_cfg.native_mtp:
     return HeadState(slots=slots, mtp_kv=None, history_tokens=None, history_hidden=None)
   rows = mtp_cache_len(engine_cfg)
-  (k, v), = registry.cache_shapes(cfg, 1, batch, rows)
-  return HeadState(slots=slots, mtp_kv=(zeros(k, dtype), zeros(v, dtype)),
+  return HeadState(slots=slots, mtp_kv=empty_mtp_kv(cfg, engine_cfg, batch, dtype, zeros),
                    history_tokens=zeros((batch, rows), np.int32),
                    history_hidden=zeros((batch, rows, cfg.hidden), dtype))
+
+
+def empty_mtp_kv(cfg: ModelConfig, engine_cfg: EngineConfig, batch: int, dtype, zeros=np.zeros):
+  """The NextN block's empty cache of `batch` slots (None without native MTP)."""
+  if not engine_cfg.native_mtp:
+    return None
+  (k, v), = registry.cache_shapes(cfg, 1, batch, mtp_cache_len(engine_cfg))
+  return zeros(k, dtype), zeros(v, dtype)
 
 
 def mtp_cache_len(engine_cfg: EngineConfig) -> int:
@@ -102,15 +109,9 @@ def fresh_forward(model: CausalLM, inp, cache_len: int) -> tuple[jax.Array, list
   return stage_forward(model, inp, _sequence_positions(batch, length), kv)
 
 
-def fresh_mtp_hidden(model: CausalLM, tokens, prev_hidden) -> jax.Array:
-  """The NextN block over whole sequences [B, T] from position 0 on an empty cache (rows as
-  `interface.previous_hidden` pairs them); its normed output z."""
-  return fresh_mtp_rows(model, tokens, prev_hidden)[0]
-
-
 def fresh_mtp_rows(model: CausalLM, tokens, prev_hidden) -> tuple[jax.Array, jax.Array]:
-  """`fresh_mtp_hidden`'s (z, y): also the output before the head norm a draft chain feeds
-  back (`CausalLM.mtp_rows`)."""
+  """The NextN block over whole sequences [B, T] from position 0 on an empty cache (rows as
+  `interface.previous_hidden` pairs them): (z, y) as `CausalLM.mtp_rows` gives them."""
   batch, length = tokens.shape
   mtp_kv = registry.init_cache(model.cfg, 1, batch, length, model.dtype)[0]
   z, y, _ = model.mtp_rows(tokens, prev_hidden, _sequence_positions(batch, length), mtp_kv)
@@ -135,7 +136,7 @@ def prefill_commit(model: CausalLM, engine_cfg: EngineConfig, tokens, hidden, le
   """Sample the first token from the prompt's last hidden and, with MTP, draft the next one.
 
   `hidden` [1, bucket, D] is the post-norm trunk output of the prompt `tokens` [1, bucket].
-  A chunk of a longer prompt (`chunked.py`) starts at position `start` with `length` of its
+  A chunk of a longer prompt (`Engine.prefill_chunk`) starts at position `start` with `length` of its
   rows real; its MTP rows continue from `before` (h_{start-1}) on the prompt's `mtp_kv` so far.
   Only the last chunk's sample and draft are used: an earlier chunk's pass leaves its
   `h_prev` (the next chunk's `before`) and MTP rows, whose row past the chunk the next one

@@ -87,17 +87,12 @@ class GlmModel(nnx.Module):
 
   # --- MTP head ----------------------------------------------------------------------------------
 
-  def mtp_hidden(self, tokens, prev_hidden, positions, mtp_kv):
-    """MTP rows (token x_p at position p, trunk hidden h_{p-1}) -> normed draft hidden z.
+  def mtp_rows(self, tokens, prev_hidden, positions, mtp_kv):
+    """MTP rows (token x_p at position p, trunk hidden h_{p-1}) -> (normed draft hidden z, the
+    block's output y before the head norm that a draft chain feeds back, new cache).
 
     `prev_hidden` is the trunk hidden AFTER output_norm (zero for row 0), per MODEL.md §7.
     """
-    z, _, mtp_kv = self.mtp_rows(tokens, prev_hidden, positions, mtp_kv)
-    return z, mtp_kv
-
-  def mtp_rows(self, tokens, prev_hidden, positions, mtp_kv):
-    """`mtp_hidden` that also returns the block's output before the head norm (y), the hidden
-    a recursive draft chain feeds back (`interface.CausalLM.mtp_rows`): (z, y, new cache)."""
     mtp = self.mtp
     table = mtp.embed if mtp.embed is not None else self.embed
     e = quantized.rows(table, tokens).astype(self.dtype)

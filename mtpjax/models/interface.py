@@ -67,13 +67,10 @@ class CausalLM(Protocol):
   def lm_logits(self, hidden: jax.Array) -> jax.Array:
     """float32 logits of post-norm hiddens."""
 
-  def mtp_hidden(self, tokens: jax.Array, prev_hidden: jax.Array, positions: jax.Array,
-                 mtp_kv) -> tuple[jax.Array, object]:
-    """The NextN block over rows (token x_p, post-norm trunk hidden h_{p-1}); new MTP cache."""
-
   def mtp_rows(self, tokens: jax.Array, prev_hidden: jax.Array, positions: jax.Array,
                mtp_kv) -> tuple[jax.Array, jax.Array, object]:
-    """`mtp_hidden` plus the block's output y before its head norm: (z, y, new MTP cache).
+    """The NextN block over rows (token x_p, post-norm trunk hidden h_{p-1}): its normed
+    output z, its output y before the head norm, and the new MTP cache.
 
     A recursive draft chain feeds y back as the next row's hidden, as vLLM's MTP proposer
     does (`DeepSeekMultiTokenPredictorLayer.forward` returns the residual stream before
