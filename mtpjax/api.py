@@ -25,6 +25,7 @@ from flax import nnx
 
 from mtpjax import checkpoint, errors, loading, runtime_options, sharding, speculative, text
 from mtpjax.draft_window import DraftWindow
+from mtpjax.engine.composite import HostDrafting
 from mtpjax.engine.contract import EngineConfig, pow2_bucket
 from mtpjax.engine.engine import Engine
 from mtpjax.engine.pipeline_hops import LocalHops
@@ -245,12 +246,16 @@ class Model:
 
   def engine(self, *, native_mtp: bool, slots: int = 1, max_len: int = 512,
              prefill_buckets: Sequence[int] | None = None, timing: bool = False,
-             logprobs: int = 0, prefix_cache: int = 0, draft_tokens: int = 1) -> Engine:
+             logprobs: int = 0, prefix_cache: int = 0, draft_tokens: int = 1,
+             host_drafts: bool = False) -> Engine:
     """A compiled engine, cached by its settings so repeated calls reuse the compiled steps.
     `prefix_cache`: prompt prefixes kept for reuse (0: none); `draft_tokens`: the deepest
-    draft window its steps verify (native MTP)."""
+    draft window its steps verify (native MTP, or `host_drafts`: an n-gram proposer's, alone
+    or extending the MTP chain)."""
+    drafts = native_mtp or host_drafts
     settings = dict(slots=slots, native_mtp=native_mtp, timing=timing, logprobs=logprobs,
-                    prefix_cache=prefix_cache, draft_tokens=draft_tokens if native_mtp else 1)
+                    prefix_cache=prefix_cache, draft_tokens=draft_tokens if drafts else 1,
+                    host_drafts=host_drafts)
     engine_cfg = (EngineConfig(max_len=max_len, prefill_buckets=tuple(prefill_buckets),
                                **settings)
                   if prefill_buckets else
@@ -275,17 +280,19 @@ class Model:
     (default: the resolved strategy's window).
     """
     resolution = self.resolve(speculative)
-    native_mtp = resolution.native_mtp
     window = resolution.draft_window if draft_window is None else draft_window
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     max_len = max(128, pow2_bucket(prompt.size + max_new_tokens + 1))
-    engine = self.engine(native_mtp=native_mtp, max_len=max_len, timing=timing,
-                         logprobs=MAX_TOP_LOGPROBS if logprobs else 0, draft_tokens=window.max)
+    drafting = HostDrafting.of(resolution, window)
+    engine = self.engine(native_mtp=resolution.native_mtp, max_len=max_len, timing=timing,
+                         logprobs=MAX_TOP_LOGPROBS if logprobs else 0,
+                         draft_tokens=drafting.draft_tokens, host_drafts=drafting.host)
     request = Request(prompt=prompt, max_new_tokens=int(max_new_tokens),
                       sampler=SamplerParams(temperature, top_k, top_p, seed),
                       stop_ids=frozenset(int(t) for t in stop_ids), logprobs=logprobs)
     policy = AdaptiveDrafting() if adaptive_drafting else None
-    return SlotScheduler(engine, adaptive=policy, window=window).run([request])[0]
+    return SlotScheduler(engine, adaptive=policy, window=window,
+                         drafter=drafting.drafter).run([request])[0]
 
 
 class PipelinedModel(Model):

@@ -6,7 +6,7 @@ from absl.testing import absltest
 
 from mtpjax import speculative
 from mtpjax.engine import composite, ngram
-from mtpjax.engine.composite import CompositeDraft, NgramDrafter, TailExtension
+from mtpjax.engine.composite import CompositeDraft, HostDrafting, NgramDrafter, TailExtension
 
 
 def _extension(max_tokens=4, initial_tokens=2, backoff=2) -> TailExtension:
@@ -120,7 +120,8 @@ class NgramDrafterTest(absltest.TestCase):
     return passes
 
   def test_ngram_strategy(self):
-    drafter = NgramDrafter.for_request(_resolution("ngram-simple"), self.TARGET[:3])
+    resolution = _resolution("ngram-simple")
+    drafter = HostDrafting.of(resolution, resolution.draft_window).drafter(self.TARGET[:3])
     self.assertIsNone(drafter.extension)
     self.assertLess(self.run_loop(drafter, mtp_oracle_tokens=0), len(self.TARGET) - 3)
 
@@ -131,7 +132,8 @@ class NgramDrafterTest(absltest.TestCase):
     self.assertLess(self.run_loop(drafter, mtp_oracle_tokens=1), 12)
 
   def test_no_ngram_proposer_no_drafter(self):
-    self.assertIsNone(NgramDrafter.for_request(_resolution("disabled"), [1, 2]))
+    resolution = _resolution("disabled")
+    self.assertIsNone(HostDrafting.of(resolution, resolution.draft_window).drafter)
 
 
 if __name__ == "__main__":

@@ -461,7 +461,7 @@ class MtpEngineTest(parameterized.TestCase):
     fns = engine._draft_steps[1] if step == "verify_draft" else engine._steps[step]
     hlo = fns[0].lower(engine._leaves[0], None, group.kv[0], group.head, active,
                                        active.astype(np.int32) if native_mtp else None,
-                                       np.bool_(False)
+                                       None, np.bool_(False)
                                        ).compile().as_text()
     copied = {tuple(int(d) for d in dims.split(",") if d)
               for dims in re.findall(r"= \w+\[([\d,]*)\]\S* copy\(", hlo)}

@@ -362,10 +362,10 @@ class SlowStepEngine:
   def insert(self, prefix, state, slot):
     return self.engine.insert(prefix, state, slot)
 
-  def step(self, state, active, drafting, *, logprobs=False):
+  def step(self, state, active, drafting, *, drafts=None, logprobs=False):
     if bool(np.asarray(drafting)[np.asarray(active)].any()) == self.slow_drafting:
       time.sleep(self.delay)
-    return self.engine.step(state, active, drafting, logprobs=logprobs)
+    return self.engine.step(state, active, drafting, drafts=drafts, logprobs=logprobs)
 
   def free(self, state, slot):
     return self.engine.free(state, slot)

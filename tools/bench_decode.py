@@ -9,6 +9,8 @@ modes alike.
   python -m tools.bench_decode --mtp_copies_trunk     # a generated tiny model (high acceptance)
   python -m tools.bench_decode --source=mtpjax/assets/glm-demo --slots=1,8
   python -m tools.bench_decode --source=mtpjax/assets/glm-demo --draft_tokens=1,2,3,5,adaptive
+  python -m tools.bench_decode --source=mtpjax/assets/glm-demo --prompt_len=96 \
+      --strategy=native-mtp-n1,ngram-simple,ngram-cache,ngram-suffix,composite
 
 MTP on runs with the default adaptive drafting (what `generate` and the server use, which
 pauses drafting where it does not pay); `*_always_drafting` is MTP on with every step drafting,
@@ -50,6 +52,7 @@ from mtpjax.models.traffic import weight_mb_per_step
 from mtpjax.telemetry import MtpStats
 from mtpjax.testing.corpus import held_out_prompts
 from mtpjax.testing.tiny_glm import TinyGlmSpec, write_tiny_glm_gguf
+from tools import bench_strategies
 
 _SOURCE = flags.DEFINE_string("source", "", "GGUF or layer package; empty: a generated model")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "tokens generated per prompt")
@@ -73,9 +76,16 @@ _DRAFT_TOKENS = flags.DEFINE_list(
     "draft_tokens", ["1"], "draft windows to measure: draft tokens per step (1..8) or "
     "`adaptive`; one JSON line per value and slot count, e.g. --draft_tokens=1,2,3,5,adaptive")
 
+_STRATEGY = flags.DEFINE_list(
+    "strategy", [], "compare speculative strategies instead of MTP off/on: any value "
+    "`speculative.strategy` takes, or `composite` (the package's, or the package copied with "
+    "one declared), e.g. --strategy=native-mtp-n1,ngram-simple,ngram-cache,ngram-suffix,"
+    "composite; each beside `disabled`, over held-out text and repeated code "
+    "(tools/bench_strategies.py), one JSON line per slot count")
+
 _REPORTED_FLAGS = (_SOURCE, _NEW_TOKENS, _PROMPTS, _PROMPT_LEN, _SLOTS, _MTP_COPIES_TRUNK,
                    _SEED, _PROMPTS_FROM, _ROUNDS, _TEMPERATURE, _TOP_P, _DTYPE, _WEIGHTS,
-                   _DRAFT_TOKENS)
+                   _DRAFT_TOKENS, _STRATEGY)
 
 
 def _open_model(tmp: pathlib.Path):
@@ -161,6 +171,9 @@ def main(argv):
     start = time.perf_counter()
     model, source = _open_model(pathlib.Path(tmp))
     load_s = time.perf_counter() - start
+    if _STRATEGY.value:
+      _compare_strategies(model, source, slot_counts, pathlib.Path(tmp))
+      return
     resolution = model.resolve("native-mtp-n1")   # fails loudly on a source without proof
     if not resolution.native_mtp:
       raise errors.SpeculativeConfigError(
@@ -170,6 +183,24 @@ def main(argv):
     for slots in slot_counts:
       for window in windows:
         print(json.dumps(_measure(model, source, load_s, slots, window)), flush=True)
+
+
+def _compare_strategies(model, source: str, slot_counts: list[int], tmp: pathlib.Path) -> None:
+  """`--strategy`: every named strategy beside `disabled`, one JSON line per slot count."""
+  names = {value: value for value in _STRATEGY.value}
+  if bench_strategies.COMPOSITE in names:
+    model, names[bench_strategies.COMPOSITE] = bench_strategies.composite_source(
+        model, _SOURCE.value, tmp)
+  prompts = bench_strategies.prompt_sets(model, _PROMPTS.value, _PROMPT_LEN.value, _SEED.value)
+  device = jax.devices()[0]
+  for slots in slot_counts:
+    record = bench_strategies.measure(
+        model, names, prompts, slots=slots, new_tokens=_NEW_TOKENS.value, rounds=_ROUNDS.value,
+        temperature=_TEMPERATURE.value, top_p=_TOP_P.value, seed=_SEED.value)
+    print(json.dumps({"flags": {flag.name: flag.value for flag in _REPORTED_FLAGS},
+                      "slots": slots, "source": source,
+                      "device": f"{device.platform}:{device.device_kind}", **record}),
+          flush=True)
 
 
 def _measure(model, source: str, load_s: float, slots: int, window: DraftWindow) -> dict:

@@ -11,8 +11,10 @@ MTP part says nothing about the tail and changes nothing here. One `NgramDrafter
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import functools
+from typing import Callable, Sequence
 
+from mtpjax.draft_window import MAX_DRAFT_TOKENS, DraftWindow
 from mtpjax.engine.ngram import NgramProposer, proposer_for
 
 
@@ -88,13 +90,6 @@ class NgramDrafter:
                       else TailExtension.from_settings(extension_settings))
     self.proposer.commit(prompt)
 
-  @classmethod
-  def for_request(cls, resolution, prompt: Sequence[int]) -> NgramDrafter | None:
-    """None when the resolution drafts without an n-gram proposer (native MTP alone, or off)."""
-    if resolution.ngram is None:
-      return None
-    return cls(resolution.ngram, resolution.extension, prompt)
-
   def draft(self, window: int, mtp_tokens: Sequence[int] = ()) -> CompositeDraft:
     """Up to `window` tokens: the MTP tokens (composite only) and the n-gram tokens after them."""
     if self.extension is None:
@@ -110,3 +105,35 @@ class NgramDrafter:
 
   def commit(self, tokens: Sequence[int]) -> None:
     self.proposer.commit(tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostDrafting:
+  """What a resolved strategy asks of an engine and its scheduler: the deepest window a step
+  verifies (`EngineConfig.draft_tokens`) and, where an n-gram proposer drafts (alone or as a
+  composite's tail), one `NgramDrafter` per request (`drafter(prompt)`)."""
+  draft_tokens: int
+  drafter: Callable[[Sequence[int]], NgramDrafter] | None = None
+
+  @property
+  def host(self) -> bool:
+    """Whether the host proposes drafts (`EngineConfig.host_drafts`)."""
+    return self.drafter is not None
+
+  @classmethod
+  def of(cls, resolution, window: DraftWindow) -> HostDrafting:
+    """From a `SpeculativeResolution` and native MTP's `window` (its resolved one, or the one a
+    caller chose): native MTP drafts up to window.max, an n-gram proposer alone up to its
+    `max_proposal_tokens` (and the strategy's `window_policy.max_window`), a composite's tail
+    up to `extension.max_tokens` after the MTP tokens; all within MAX_DRAFT_TOKENS."""
+    ngram = resolution.ngram
+    if ngram is None:
+      return cls(window.max if resolution.native_mtp else 1)
+    if resolution.native_mtp and resolution.extension is not None:
+      deepest = window.max + resolution.extension.max_tokens
+    else:
+      policy = resolution.window_policy or {}
+      deepest = min(ngram.max_proposal_tokens, policy.get("max_window") or MAX_DRAFT_TOKENS)
+    return cls(min(deepest, MAX_DRAFT_TOKENS),
+               functools.partial(NgramDrafter, ngram,
+                                 resolution.extension if resolution.native_mtp else None))

@@ -20,7 +20,9 @@ from mtpjax.models.config import ModelConfig
 
 # ResultTokens columns: one int32 [B, 3 + draft_tokens] array per step means one device->host
 # copy. The first two committed tokens, their count and the accepted drafts; a window of k
-# drafts commits up to k + 1 tokens, the third one on in the columns after ACCEPTED.
+# drafts commits up to k + 1 tokens, the third one on in the columns after ACCEPTED. An engine
+# whose host extends native MTP's drafts (`EngineConfig.mtp_chain_columns`) appends the slot's
+# next MTP chain, draft_tokens more columns.
 TOKEN_A, TOKEN_B, COUNT, ACCEPTED = range(4)
 # Prompt buckets of an engine built without explicit ones (those that fit its cache are kept).
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -56,7 +58,8 @@ class EngineConfig:
   timing: bool = False                     # sync after verify and draft to time them
   logprobs: int = 0                        # top logprobs per committed token (0: none computed)
   prefix_cache: int = 0                    # cached prompt prefixes kept (0: no prefix caching)
-  draft_tokens: int = 1                    # native MTP: most drafts a step verifies (window max)
+  draft_tokens: int = 1                    # most drafts a step verifies (window max)
+  host_drafts: bool = False                # the host proposes drafts (n-gram, alone or after MTP)
 
   @classmethod
   def with_default_buckets(cls, *, max_len: int, **kwargs) -> "EngineConfig":
@@ -73,12 +76,25 @@ class EngineConfig:
   def window_buckets(self) -> tuple[int, ...]:
     """The draft windows a verifying step compiles for: a step pads every slot's window up to
     the smallest of these that holds them all (one compile per bucket and slot bucket)."""
-    return slot_buckets(self.draft_tokens) if self.native_mtp else ()
+    return slot_buckets(self.draft_tokens) if self.drafts else ()
+
+  @property
+  def drafts(self) -> bool:
+    """Whether steps verify drafts: native MTP's, the host's, or both (a composite)."""
+    return self.native_mtp or self.host_drafts
+
+  @property
+  def mtp_chain_columns(self) -> bool:
+    """Whether ResultTokens end with each slot's next MTP chain: a composite's host extends
+    the chain, so it must see it."""
+    return self.native_mtp and self.host_drafts
 
   @property
   def result_width(self) -> int:
-    """ResultTokens columns: TOKEN_A, TOKEN_B, COUNT, ACCEPTED, then tokens 3 .. k + 1."""
-    return 3 + max(self.draft_tokens, 1)
+    """ResultTokens columns: TOKEN_A, TOKEN_B, COUNT, ACCEPTED, then tokens 3 .. k + 1 (and
+    the MTP chain, `mtp_chain_columns`)."""
+    width = 3 + max(self.draft_tokens, 1)
+    return width + self.draft_tokens if self.mtp_chain_columns else width
 
   def prefill_chunks(self, prompt, start: int = 0
                      ) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
@@ -140,6 +156,11 @@ def committed_tokens(row) -> list[int]:
   return ([row[TOKEN_A], row[TOKEN_B]] + row[ACCEPTED + 1:])[:row[COUNT]]
 
 
+def mtp_chain(row, draft_tokens: int) -> list[int]:
+  """The next native-MTP draft chain a ResultTokens row ends with (`mtp_chain_columns`)."""
+  return list(row)[-draft_tokens:]
+
+
 def slot_buckets(slots: int) -> tuple[int, ...]:
   """The slot counts a step compiles for over `slots` slots: powers of two below it, and it."""
   return tuple(sorted({min(2 ** i, slots) for i in range(slots.bit_length() + 1)}))
@@ -153,9 +174,10 @@ class DecodeEngine(Protocol):
   timings (us) and, when `logprobs` was asked of an engine with `engine_cfg.logprobs`,
   "logprobs": (chosen [slots, R], top ids and top logprobs [slots, R, n]) of the rows a step can
   commit (R = window + 1 verifying, else 1); a prefix then carries its first token's as
-  `logprobs`. `free` releases a finished slot. With native MTP, `drafting` [slots] says which
+  `logprobs`. `free` releases a finished slot. With drafts, `drafting` [slots] says which
   slots use their drafts (bool) or how many (int, each slot's window), and `catch_up` brings
-  paused slots' MTP caches up to date.
+  paused slots' MTP caches up to date. With `host_drafts`, `drafts` [slots, draft_tokens] are
+  the host's proposals (a composite's starts with the MTP chain the last result returned).
   """
   engine_cfg: EngineConfig
   trace_counts: dict[str, int]
@@ -178,6 +200,7 @@ class DecodeEngine(Protocol):
   def insert(self, prefix: Any, state: Any, slot: int) -> Any: ...
 
   def step(self, state: Any, active: np.ndarray, drafting: np.ndarray | None = None, *,
+           drafts: np.ndarray | None = None,
            logprobs: bool = False) -> tuple[Any, np.ndarray, dict]: ...
 
   def catch_up(self, state: Any, active: np.ndarray) -> Any: ...
@@ -195,10 +218,12 @@ def warm_up(engine: DecodeEngine) -> None:
     if bucket - 1 < ec.max_len and bucket <= ec.cache_len:
       state = engine.insert(engine.prefill(np.zeros(bucket - 1, np.int32), SamplerParams()),
                             state, 0)
+  drafts = np.zeros((ec.slots, ec.draft_tokens), np.int32) if ec.host_drafts else None
   for reach in engine.warm_up_schedule():
-    if not ec.native_mtp:
+    if not ec.drafts:
       state, _, _ = engine.step(state, reach)
       continue
     for window in ec.window_buckets + (0,):    # every window bucket, then a plain step
-      state, _, _ = engine.step(state, reach, np.full(ec.slots, window, np.int32))
-    state = engine.catch_up(state, reach)   # the missing MTP rows, before drafting again
+      state, _, _ = engine.step(state, reach, np.full(ec.slots, window, np.int32), drafts=drafts)
+    if ec.native_mtp:
+      state = engine.catch_up(state, reach)   # the missing MTP rows, before drafting again

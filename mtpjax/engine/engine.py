@@ -84,10 +84,12 @@ class Engine:
     kind = "plain" if engine_cfg.native_mtp else "decode"
     self._steps = {kind: per_stage(kind, functools.partial(self._step_fn, kind=kind),
                                    ("kv", "head"))}
-    # A drafting step compiles once per window bucket: it verifies k + 1 rows, drafts k.
+    # A drafting step compiles once per window bucket: it verifies k + 1 rows and, with native
+    # MTP, drafts k; without, it commits the host's accepted drafts.
+    self._verify_kind = "verify_draft" if engine_cfg.native_mtp else "verify_host"
     self._draft_steps = {
-        k: per_stage("verify_draft", functools.partial(self._step_fn, kind="verify_draft",
-                                                       depth=k), ("kv", "head"))
+        k: per_stage(self._verify_kind, functools.partial(self._step_fn, kind=self._verify_kind,
+                                                          depth=k), ("kv", "head"))
         for k in engine_cfg.window_buckets}
     # Timing splits a drafting step's last stage in two jits, synced after each.
     self._verify = {k: jit("verify", functools.partial(self._step_fn, self.last, kind="verify",
@@ -239,9 +241,13 @@ class Engine:
       return False
     current = self.hops.share(None if head is None else head.slots.current, self.last,
                               like=_ints(1))
+    chain = None
+    if self.engine_cfg.mtp_chain_columns:   # a composite's host extends the first MTP chain
+      chain = self.hops.share(None if head is None else head.slots.draft, self.last,
+                              like=_ints(1, self.engine_cfg.draft_tokens))
     shared = (self._shared_logprobs([rows] if head is not None else [], [(0, 1)], 1)
               if self._wants(job.logprobs) else None)
-    job.prefix = Prefix(kv=job.kv, head=head, current=current, logprobs=shared)
+    job.prefix = Prefix(kv=job.kv, head=head, current=current, logprobs=shared, mtp_chain=chain)
     return True
 
   def _group_of(self, slot: int) -> tuple[int, int]:
@@ -275,24 +281,29 @@ class Engine:
 
   # --- steps --------------------------------------------------------------------------------
 
-  def _step_fn(self, s: int, leaves, inp, kv, head: HeadState | None, active, drafting, want,
-               *, kind: str, depth: int = 0):
+  def _step_fn(self, s: int, leaves, inp, kv, head: HeadState | None, active, drafting, drafts,
+               want, *, kind: str, depth: int = 0):
     """Stage `s` of one step of `kind` over the first active.shape[0] slots of a group.
 
     `decode` (MTP off) and `plain` (native MTP, no slot drafting) decode one position per
     slot; `plain` records the row's MTP inputs instead of running the NextN block.
     `verify_draft` verifies [current, d1 .. d_depth] and drafts the next chain (`drafting`:
-    each slot's window); `verify` only samples the target's tokens (timing mode, `_draft_fn`
-    commits). The caches stay whole: the model writes and reads only the computed slots' rows.
+    each slot's window); `verify_host` verifies the host's drafts without native MTP;
+    `verify` only samples the target's tokens (timing mode, `_draft_fn` commits). `drafts`:
+    the host's drafts [k, draft_tokens] (None: the MTP chain in the head state). The caches
+    stay whole: the model writes and reads only the computed slots' rows.
     """
     model = self._model(s, leaves)
     layout = self.layouts[s]
     k = active.shape[0]
-    part = head.first(k) if layout.output else None
+    drafts = drafts if depth else None      # a step that verifies nothing keeps its chain
+    part = _with_drafts(head.first(k), drafts) if layout.output else None
     if layout.embeddings:
       # A single stage reads its inputs from the head state it donates, stage 0 from the hop.
       current = ((part.slots.current, part.slots.draft, part.slots.pos) if layout.output
                  else tuple(a[:k] for a in inp))
+      if drafts is not None:
+        current = (current[0], drafts, current[2])
       inp, positions = steps.step_inputs(*current, depth)
     else:
       x, positions, selection = inp
@@ -303,14 +314,22 @@ class Engine:
     top_n = self.engine_cfg.logprobs
     if kind == "verify":
       return steps.verify_tokens(model, part, x, top_n, want), kv
-    if kind == "verify_draft":
+    if kind in ("verify_draft", "verify_host"):
       verified, logprobs = steps.verify_tokens(model, part, x, top_n, want)
-      part, result = steps.draft_commit(model, part, verified, active, drafting)
+      part, result = (steps.draft_commit(model, part, verified, active, drafting)
+                      if kind == "verify_draft" else
+                      steps.host_verify_commit(part, verified, active, drafting))
     elif kind == "plain":
       part, result, logprobs = steps.plain_commit(model, part, x, active, top_n, want)
     else:
       part, result, logprobs = steps.decode_commit(model, part, x, active, top_n, want)
-    return (head.merge(part), result, logprobs), kv
+    return (head.merge(part), self._with_chain(result, part), logprobs), kv
+
+  def _with_chain(self, result, part: HeadState):
+    """ResultTokens with the slots' next MTP chain appended (`mtp_chain_columns`)."""
+    if not self.engine_cfg.mtp_chain_columns:
+      return result
+    return jnp.concatenate([result, part.slots.draft.astype(result.dtype)], axis=1)
 
   def _depth(self, windows: np.ndarray, active: np.ndarray) -> int:
     """The window bucket of a step: the smallest that holds every active slot's window (0:
@@ -329,10 +348,11 @@ class Engine:
       return np.where(drafting, ec.draft_tokens, 0).astype(np.int32)
     return np.clip(drafting, 0, ec.draft_tokens).astype(np.int32)
 
-  def _draft_fn(self, leaves, head: HeadState, verified, active, drafting):
-    part, result = steps.draft_commit(self._model(self.last, leaves), head.first(active.shape[0]),
+  def _draft_fn(self, leaves, head: HeadState, verified, active, drafting, drafts):
+    part, result = steps.draft_commit(self._model(self.last, leaves),
+                                      _with_drafts(head.first(active.shape[0]), drafts),
                                       verified, active, drafting)
-    return head.merge(part), result
+    return head.merge(part), self._with_chain(result, part)
 
   def _catch_up_fn(self, leaves, head: HeadState, active):
     part = steps.catch_up_commit(self._model(self.last, leaves), head.first(active.shape[0]),
@@ -355,27 +375,35 @@ class Engine:
     return state
 
   def step(self, state: EngineState, active: np.ndarray, drafting: np.ndarray | None = None,
-           *, logprobs: bool = False) -> tuple[EngineState, np.ndarray, dict]:
+           *, drafts: np.ndarray | None = None, logprobs: bool = False
+           ) -> tuple[EngineState, np.ndarray, dict]:
     """One step for every group: the state, ResultTokens [slots, result_width] and an info
     dict (timings in us, and logprobs; see `DecodeEngine`).
 
-    With native MTP, `drafting` [B] gives each slot's draft window this step: ints, or bools
-    (True: `draft_tokens`); None: every slot at `draft_tokens`. The step verifies the smallest
-    window bucket holding every active slot's window, each slot accepting within its own.
-    A slot that does not draft only commits the target's token, so its output is unchanged;
-    when no active slot drafts, a plain step decodes one position without the MTP block, and
-    the next drafting step first catches the MTP KV up (`catch_up`). `logprobs`: some live
-    request wants the committed rows' logprobs.
+    With drafts (native MTP or `host_drafts`), `drafting` [B] gives each slot's draft window
+    this step: ints, or bools (True: `draft_tokens`); None: every slot at `draft_tokens`. The
+    step verifies the smallest window bucket holding every active slot's window, each slot
+    accepting within its own. A slot that does not draft only commits the target's token, so
+    its output is unchanged; when no active slot drafts, a plain step decodes one position
+    without the MTP block, and the next drafting step first catches the MTP KV up
+    (`catch_up`). `drafts` [B, draft_tokens]: the host's drafts (an engine with `host_drafts`
+    needs them; a composite's start with the MTP chain). `logprobs`: some live request wants
+    the committed rows' logprobs.
     """
     want = self._traced_flag(logprobs)
     # Host arrays go to the compiled steps as they are: jit's own transfer is far cheaper than
     # a device_put per argument (a few hundred microseconds a step on a CPU host).
     active = np.asarray(active, bool)
+    ec = self.engine_cfg
+    if ec.host_drafts != (drafts is not None):
+      raise ValueError("an engine with host_drafts takes drafts at every step, and only it")
     kind, depth = "decode", 0
-    if self.engine_cfg.native_mtp:
+    if ec.drafts:
       drafting = self.windows(drafting)
       depth = self._depth(drafting, active)
-      kind = "verify_draft" if depth else "plain"
+      kind = self._verify_kind if depth else ("plain" if ec.native_mtp else "decode")
+    if drafts is not None:
+      drafts = np.asarray(drafts, np.int32).reshape(ec.slots, ec.draft_tokens)
     if kind == "verify_draft":
       state = self.catch_up(state, active)
     tokens = depth + 1
@@ -386,13 +414,14 @@ class Engine:
       live = active[lo:hi]
       k = self.slots_for(live)
       act = live[:k]
-      draft_mask = drafting[lo:hi][:k] if self.engine_cfg.native_mtp else None
+      draft_mask = drafting[lo:hi][:k] if ec.drafts else None
+      group_drafts = None if drafts is None else drafts[lo:hi][:k]
       out = None
       if self.last > 0:   # stage 0 embeds the last stage's tokens
         slots = None if group.head is None else group.head.slots
         out = self.hops.move(None if slots is None else (slots.current, slots.draft, slots.pos),
                              self.last, 0, like=(_ints(hi - lo),
-                                                 _ints(hi - lo, self.engine_cfg.draft_tokens),
+                                                 _ints(hi - lo, ec.draft_tokens),
                                                  _ints(hi - lo)))
       for s in range(len(self.layouts)):
         if s > 0:
@@ -402,14 +431,15 @@ class Engine:
           continue
         if s < self.last:
           out, group.kv[s] = step_fns[s](self._leaves[s], out, group.kv[s], None, act, None,
-                                         want)
+                                         group_drafts if s == 0 else None, want)
           continue
-        if kind == "verify_draft" and self.engine_cfg.timing:
-          group.head, result, committed = self._timed_last_stage(group, out, act, draft_mask,
-                                                                 want, info, depth)
+        if kind == "verify_draft" and ec.timing:
+          group.head, result, committed = self._timed_last_stage(
+              group, out, act, draft_mask, group_drafts, want, info, depth)
         else:
           (group.head, result, committed), group.kv[s] = step_fns[s](
-              self._leaves[s], out, group.kv[s], group.head, act, draft_mask, want)
+              self._leaves[s], out, group.kv[s], group.head, act, draft_mask, group_drafts,
+              want)
         results.append(result)
         rows.append(committed)
     if kind == "plain":
@@ -444,22 +474,27 @@ class Engine:
       joined.append(self.hops.share(mine, self.last, like=like))
     return tuple(np.concatenate([np.asarray(g[j]) for g in joined]) for j in range(3))
 
-  def _timed_last_stage(self, group: Group, inp, active, drafting, want, timings: dict,
+  def _timed_last_stage(self, group: Group, inp, active, drafting, drafts, want, timings: dict,
                         depth: int):
     """The last stage of a drafting step as two synced jits: verify, then draft and commit."""
     leaves = self._leaves[self.last]
     start = time.perf_counter()
     (verified, logprobs), group.kv[self.last] = self._verify[depth](
-        leaves, inp, group.kv[self.last], group.head, active, drafting, want)
+        leaves, inp, group.kv[self.last], group.head, active, drafting, drafts, want)
     jax.block_until_ready(verified)
     mid = time.perf_counter()
-    head, result = self._draft(leaves, group.head, verified, active, drafting)
+    head, result = self._draft(leaves, group.head, verified, active, drafting, drafts)
     result = np.asarray(result)
     end = time.perf_counter()
     for name, seconds in (("verification_compute_us", mid - start),
                           ("proposal_compute_us", end - mid)):
       timings[name] = timings.get(name, 0) + int(seconds * 1e6)
     return head, result, logprobs
+
+
+def _with_drafts(head: HeadState, drafts) -> HeadState:
+  """`head` verifying the host's `drafts` [k, K] instead of its own chain (None: its own)."""
+  return head if drafts is None else head.replace(slots=head.slots.replace(draft=drafts))
 
 
 def _padded(result, slots: int) -> np.ndarray:

@@ -19,7 +19,8 @@ import numpy as np
 
 from mtpjax import errors
 from mtpjax.draft_window import DraftWindow
-from mtpjax.engine.contract import ACCEPTED, COUNT, DecodeEngine, committed_tokens
+from mtpjax.engine.composite import CompositeDraft, NgramDrafter
+from mtpjax.engine.contract import ACCEPTED, COUNT, DecodeEngine, committed_tokens, mtp_chain
 from mtpjax.engine.state import CATCH_UP_ROWS
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.telemetry import MtpStats
@@ -193,7 +194,10 @@ class _Live:
   recent: collections.deque = dataclasses.field(default_factory=collections.deque)
   paused_steps: int = 0           # steps left without drafting
   backoff: int = 1                # the next pause is cooldown x backoff steps
-  window: int = 1                 # drafts this slot asks for (DraftWindow bounds)
+  window: int = 1                 # native MTP drafts this slot asks for (DraftWindow bounds)
+  ngram: NgramDrafter | None = None       # the request's host drafting (n-gram, composite)
+  mtp_chain: list = dataclasses.field(default_factory=list)   # its next MTP chain (composite)
+  proposed: CompositeDraft | None = None  # the host draft this step verifies
   # Per draft position: windows that included it, and how often it was accepted.
   verified_at: list = dataclasses.field(default_factory=list)
   accepted_at: list = dataclasses.field(default_factory=list)
@@ -229,11 +233,19 @@ class SlotScheduler:
 
   `interleave_prefill`: a long prompt's chunks alternate with steps of the live slots (else
   its whole prefill runs at once, stalling every stream meanwhile). `window`: each request's
-  draft window (default: fixed at the engine's `draft_tokens`)."""
+  native-MTP draft window (default: fixed at the engine's `draft_tokens`). `drafter`: a
+  request's host drafting from its prompt (`HostDrafting.drafter`), for an engine with
+  `host_drafts`: each step verifies what it proposes (after the MTP chain, for a composite)."""
 
   def __init__(self, engine: DecodeEngine, adaptive: AdaptiveDrafting | None = AdaptiveDrafting(),
-               window: DraftWindow | None = None, *, interleave_prefill: bool = True):
+               window: DraftWindow | None = None, *, interleave_prefill: bool = True,
+               drafter: Callable[[np.ndarray], NgramDrafter] | None = None):
     self.engine = engine
+    if engine.engine_cfg.host_drafts != (drafter is not None):
+      raise errors.MtpjaxError(
+          "an engine with host_drafts needs a drafter, and only it takes one",
+          field="speculative", remedy="build the engine and the scheduler from one HostDrafting")
+    self.drafter = drafter
     self.interleave_prefill = interleave_prefill
     self.prefilling: _Prefilling | None = None
     self.adaptive = adaptive
@@ -261,6 +273,11 @@ class SlotScheduler:
   @property
   def native_mtp(self) -> bool:
     return self.engine.engine_cfg.native_mtp
+
+  @property
+  def speculating(self) -> bool:
+    """Whether steps verify drafts (native MTP's, the host's or both)."""
+    return self.engine.engine_cfg.drafts
 
   def submit(self, request: Request, done: Callable[[Result], None]) -> None:
     if request.max_new_tokens < 1:
@@ -309,12 +326,18 @@ class SlotScheduler:
     prefix = pending.job.prefix
     index = pending.slot
     self.state = self.engine.insert(prefix, self.state, index)
+    positions = self.engine.engine_cfg.draft_tokens if self.drafter else self.window.max
     live = _Live(request=request, done=pending.done, started=pending.started,
-                 window=self.window.initial, verified_at=[0] * self.window.max,
-                 accepted_at=[0] * self.window.max)
+                 window=self.window.initial, verified_at=[0] * positions,
+                 accepted_at=[0] * positions)
     live.counts["target_passes"] += 1
     live.counts["committed_tokens"] += 1
     first = int(np.asarray(prefix.current)[0])
+    if self.drafter is not None:
+      live.ngram = self.drafter(request.prompt)
+      live.ngram.commit([first])
+      if prefix.mtp_chain is not None:
+        live.mtp_chain = np.asarray(prefix.mtp_chain)[0].tolist()
     live.first_token_s = time.perf_counter() - pending.started
     self.slots[index] = live
     self._emit(index, [first], _token_logprobs(request, prefix.logprobs, 0, [first]))
@@ -358,12 +381,12 @@ class SlotScheduler:
     if self.native_mtp and self._drafts(live):
       c["drafted"] += 1             # the last draft, dropped unverified
     stats = MtpStats.from_counts(
-        native_mtp=self.native_mtp, drafted=c["drafted"], accepted=c["accepted"],
+        native_mtp=self.speculating, drafted=c["drafted"], accepted=c["accepted"],
         rejected=c["rejected"], target_passes=c["target_passes"],
         committed_tokens=c["committed_tokens"], proposal_compute_us=c["proposal_us"],
         verification_compute_us=c["verification_us"],
-        verified_by_position=live.verified_at if self.native_mtp else (),
-        accepted_by_position=live.accepted_at if self.native_mtp else ())
+        verified_by_position=live.verified_at if self.speculating else (),
+        accepted_by_position=live.accepted_at if self.speculating else ())
     live.done(Result(tokens=live.tokens, finish_reason=reason, stats=stats,
                      prompt_tokens=len(live.request.prompt),
                      time_to_first_token_s=live.first_token_s,
@@ -389,9 +412,13 @@ class SlotScheduler:
     # False and the engine ignores the windows.
     windows = [min(s.window, self.window_cap) if s is not None and drafted else 0
                for s in self.slots]
+    drafts = None
+    if self.drafter is not None:
+      drafts = self._host_drafts(windows)
+      drafted = any(windows)
     self.window_in_use = sum(windows) / sum(occupied)
     self.state, result, info = self.engine.step(
-        self.state, active, np.array(windows, np.int32), logprobs=wants)
+        self.state, active, np.array(windows, np.int32), drafts=drafts, logprobs=wants)
     for index, (live, row) in enumerate(zip(self.slots, result.tolist())):
       if live is None:
         continue
@@ -399,16 +426,48 @@ class SlotScheduler:
       c = live.counts
       c["target_passes"] += 1
       c["committed_tokens"] += count
-      if self.native_mtp:
-        self._account_draft(live, windows[index], row[ACCEPTED], info)
       tokens = committed_tokens(row)
+      if self.speculating:
+        self._account_draft(live, windows[index], row[ACCEPTED], info)
+      if live.ngram is not None:
+        self._host_verified(live, row, tokens)
       self._emit(index, tokens, _token_logprobs(live.request, info.get("logprobs"), index,
                                                 tokens))
-    if self.native_mtp:   # the step's wall time, with the host's per-step work
+    if self.speculating:   # the step's wall time, with the host's per-step work
       self.cost.observe_step(drafted, time.perf_counter() - started,
                              caught_up_rows=self._plain_steps if drafted else 0)
       self._plain_steps = 0 if drafted else self._plain_steps + 1
       self._price_drafting(drafted)
+
+  def _host_drafts(self, windows: list[int]) -> np.ndarray:
+    """Each live slot's host draft for this step, [slots, draft_tokens]; `windows` becomes
+    each slot's draft length. A composite's starts with the slot's MTP chain cut to its MTP
+    window (`windows` on entry), then the n-gram tail; an n-gram proposer alone drafts up to
+    the engine's window while the slot and the batch are not paused."""
+    top = self.engine.engine_cfg.draft_tokens
+    drafts = np.zeros((len(self.slots), top), np.int32)
+    for index, live in enumerate(self.slots):
+      if live is None:
+        continue
+      live.proposed = None
+      if not (self.native_mtp or self._drafts(live)):
+        continue
+      proposed = live.ngram.draft(top, live.mtp_chain[:windows[index]])
+      windows[index] = len(proposed.tokens)
+      if proposed.tokens:
+        live.proposed = proposed
+        drafts[index, :windows[index]] = proposed.tokens
+    return drafts
+
+  def _host_verified(self, live: _Live, row: list[int], tokens: list[int]) -> None:
+    """Feed a step's outcome to the request's drafter: what it accepted of the host draft and
+    the tokens committed, and (a composite) the next MTP chain."""
+    if live.proposed is None:
+      live.ngram.commit(tokens)
+    else:
+      live.ngram.verified(live.proposed, row[ACCEPTED], tokens)
+    if self.engine.engine_cfg.mtp_chain_columns:
+      live.mtp_chain = mtp_chain(row, self.engine.engine_cfg.draft_tokens)
 
   def _drafts(self, live: _Live) -> bool:
     """Whether a slot uses its draft at the next step (neither it nor the batch is paused)."""
@@ -465,6 +524,9 @@ class SlotScheduler:
     self.cost.observe_draft(accepted)
     if paused:
       return
+    if live.proposed is not None and live.proposed.mtp_count:
+      # A composite's MTP window and pauses follow its MTP part (the tail backs off itself).
+      window, accepted = live.proposed.mtp_count, min(accepted, live.proposed.mtp_count)
     self._adapt_window(live, window, accepted)
     policy = self.adaptive
     if policy is None:

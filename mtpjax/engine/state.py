@@ -106,6 +106,7 @@ class Prefix:
   head: HeadState | None
   current: np.ndarray
   logprobs: tuple | None = None      # the first token's, as a step's (engine_cfg.logprobs)
+  mtp_chain: np.ndarray | None = None   # [1, K] the first MTP chain (`mtp_chain_columns`)
 
 
 @dataclasses.dataclass

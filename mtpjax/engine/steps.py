@@ -196,6 +196,34 @@ def verify_tokens(model: CausalLM, head: HeadState, hidden, top_n: int = 0, want
   return (tokens, hidden), committed_logprobs(logits, tokens, top_n, want)
 
 
+def accepted_drafts(tokens, draft, window) -> jax.Array:
+  """Per slot, how many leading drafts equal the target's own tokens at their positions
+  (`tokens` [B, k + 1] sampled after [current, d1 .. dk]), within its `window` [B]."""
+  depth = tokens.shape[1] - 1
+  match = ((tokens[:, :depth] == draft[:, :depth])
+           & (jnp.arange(depth)[None] < window[:, None]))
+  return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+
+
+def _keep(active, new, old):
+  """`new` in the active slots, `old` in the others."""
+  return jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+
+
+def host_verify_commit(head: HeadState, verified, active, window
+                       ) -> tuple[HeadState, jax.Array]:
+  """Commit the accepted host drafts (an n-gram proposer's, without native MTP) and the
+  target's next token per slot: the MTP-free half of `draft_commit`."""
+  s = head.slots
+  tokens, hidden = verified
+  accepted = accepted_drafts(tokens, s.draft, window)
+  result = result_rows(tokens, accepted + 1, accepted, s.draft.shape[1])
+  slots = s.replace(pos=_keep(active, s.pos + accepted + 1, s.pos),
+                    current=_keep(active, _at(tokens, accepted), s.current),
+                    h_prev=_keep(active, _at(hidden, accepted), s.h_prev))
+  return head.replace(slots=slots), result
+
+
 def draft_commit(model: CausalLM, head: HeadState, verified, active, window
                  ) -> tuple[HeadState, jax.Array]:
   """MTP pass over the k + 1 new rows, commit the accepted drafts and the target's next token
@@ -210,9 +238,7 @@ def draft_commit(model: CausalLM, head: HeadState, verified, active, window
   s = head.slots
   tokens, hidden = verified
   depth = tokens.shape[1] - 1
-  match = ((tokens[:, :depth] == s.draft[:, :depth])
-           & (jnp.arange(depth)[None] < window[:, None]))
-  accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+  accepted = accepted_drafts(tokens, s.draft, window)
   positions = s.pos[:, None] + jnp.arange(1, depth + 2, dtype=jnp.int32)[None]
   z, y, mtp_kv = model.mtp_rows(tokens, hidden, positions, head.mtp_kv)
   pos = s.pos + accepted + 1
@@ -220,7 +246,7 @@ def draft_commit(model: CausalLM, head: HeadState, verified, active, window
   chain, mtp_kv = draft_chain(model, mtp_kv, _at(z, accepted), _at(y, accepted), pos, depth)
   draft = jnp.concatenate([chain, s.draft[:, depth:]], axis=1)
   result = result_rows(tokens, accepted + 1, accepted, s.draft.shape[1])
-  keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+  keep = lambda new, old: _keep(active, new, old)
   slots = s.replace(
       pos=keep(pos, s.pos),
       current=keep(_at(tokens, accepted), s.current),

@@ -19,6 +19,7 @@ import mtpjax
 from mtpjax import distributed, embedded, errors, speculative, warm_start
 from mtpjax.engine.contract import warm_up
 from mtpjax.engine.sampling import MAX_TOP_LOGPROBS
+from mtpjax.engine.composite import HostDrafting
 from mtpjax.engine.scheduler import AdaptiveDrafting, SlotScheduler
 from mtpjax.gguf.tokenizer import GgufTokenizer
 from mtpjax.server.admission import Admission
@@ -87,17 +88,19 @@ def build_service(config) -> Service:
   logging.info("speculative drafting: %s", resolution.summary())
 
   settings = model.generation_settings
+  drafting = HostDrafting.of(resolution, settings.draft_window)
   engine = model.engine(native_mtp=settings.native_mtp, slots=settings.slots,
                         max_len=settings.max_len, prefill_buckets=settings.prefill_buckets,
                         timing=settings.timing, logprobs=int(engine_cfg.logprobs),
                         prefix_cache=int(engine_cfg.prefix_cache),
-                        draft_tokens=settings.draft_window.max)
+                        draft_tokens=drafting.draft_tokens, host_drafts=drafting.host)
   tokenizer = GgufTokenizer.from_metadata(model.metadata, path=source)
   chat_template = BudgetedChatTemplate.from_metadata(
       model.metadata, path=source,
       budget=TemplateBudget(seconds=limits.template_timeout_s, max_chars=limits.template_max_chars))
 
-  scheduler = SlotScheduler(engine, adaptive=drafting_policy, window=settings.draft_window)
+  scheduler = SlotScheduler(engine, adaptive=drafting_policy, window=settings.draft_window,
+                            drafter=drafting.drafter)
   warm_s = _warm_up(scheduler)
   logging.info("compiled and warmed up the engine in %.1f s (%d slots, max_len %d)", warm_s,
                settings.slots, settings.max_len)

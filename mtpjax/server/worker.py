@@ -219,7 +219,8 @@ class EngineWorker:
                           "with a fresh decode state", len(self._live))
         self._fail_live(error)
         self.scheduler = SlotScheduler(self.scheduler.engine, adaptive=self.scheduler.adaptive,
-                                       window=self.scheduler.window)
+                                       window=self.scheduler.window,
+                                       drafter=self.scheduler.drafter)
     self._fail_live(RuntimeError("the server is shutting down"))
 
   def _fail_live(self, error: BaseException) -> None:

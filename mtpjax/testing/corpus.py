@@ -39,3 +39,12 @@ def held_out_prompts(encode, count: int, length: int, seed: int = 0) -> list[lis
   ids = np.concatenate([np.asarray(encode(t), np.int32) for t in split_corpus()[1]])
   starts = np.random.default_rng(seed).integers(0, len(ids) - length, size=count)
   return [ids[s:s + length].tolist() for s in starts]
+
+
+def repeated_code_prompts(encode, count: int, length: int, seed: int = 0) -> list[list[int]]:
+  """`count` prompts of `length` token ids that repeat earlier text, as editing a file does: a
+  held-out passage of `length` * 2 // 3 tokens, then its first third again, for the model to
+  continue (the text n-gram drafting is for)."""
+  passage = length * 2 // 3
+  return [ids + ids[:length - passage]
+          for ids in held_out_prompts(encode, count, passage, seed=seed)]
