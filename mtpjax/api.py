@@ -27,12 +27,13 @@ from mtpjax import checkpoint, errors, loading, runtime_options, sharding, specu
 from mtpjax.draft_window import DraftWindow
 from mtpjax.engine.composite import HostDrafting
 from mtpjax.engine.contract import EngineConfig, pow2_bucket
+from mtpjax.engine.drafting_policy import AdaptiveDrafting
 from mtpjax.engine.engine import Engine
 from mtpjax.engine.pipeline_hops import LocalHops
 from mtpjax.engine.plan import PipelinePlan, make_hops, pipeline_mesh, plan_pipeline, \
     selection_like
 from mtpjax.engine.sampling import MAX_TOP_LOGPROBS, SamplerParams
-from mtpjax.engine.scheduler import AdaptiveDrafting, Request, Result, SlotScheduler
+from mtpjax.engine.scheduler import Request, Result, SlotScheduler
 from mtpjax.engine.steps import fresh_forward, fresh_mtp_rows
 from mtpjax.models import registry
 from mtpjax.models.config import ModelConfig

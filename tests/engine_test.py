@@ -18,7 +18,8 @@ from flax import nnx
 
 import mtpjax
 from mtpjax.engine.contract import ACCEPTED, COUNT, TOKEN_A, TOKEN_B, committed_tokens, warm_up
-from mtpjax.engine.scheduler import AdaptiveDrafting, Request, SlotScheduler
+from mtpjax.engine.drafting_policy import AdaptiveDrafting
+from mtpjax.engine.scheduler import Request, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.engine.state import CATCH_UP_ROWS
 from mtpjax.models.interface import stage_forward

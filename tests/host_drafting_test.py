@@ -25,8 +25,9 @@ from absl.testing import absltest, parameterized
 import mtpjax
 from mtpjax.draft_window import MAX_DRAFT_TOKENS, DraftWindow
 from mtpjax.engine.composite import CompositeDraft, HostDrafting
+from mtpjax.engine.drafting_policy import AdaptiveDrafting
 from mtpjax.engine.sampling import SamplerParams
-from mtpjax.engine.scheduler import AdaptiveDrafting, Request, SlotScheduler
+from mtpjax.engine.scheduler import Request, SlotScheduler
 from mtpjax.gguf.tokenizer import GgufTokenizer
 from mtpjax.testing import corpus, strategies
 from mtpjax.testing.tiny_glm import TinyGlmSpec, write_tiny_glm_gguf

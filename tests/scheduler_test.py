@@ -18,7 +18,8 @@ from mtpjax import errors
 from mtpjax.draft_window import DraftWindow
 from mtpjax.engine.contract import warm_up
 from mtpjax.engine import scheduler as scheduler_lib
-from mtpjax.engine.scheduler import AdaptiveDrafting, DraftingCost, Request, SlotScheduler
+from mtpjax.engine.drafting_policy import AdaptiveDrafting, DraftingCost
+from mtpjax.engine.scheduler import Request, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.telemetry import MtpStats
 from mtpjax.testing.tiny_glm import TinyGlmSpec, write_tiny_glm_gguf

@@ -12,13 +12,11 @@ that drafts were made and verified.
 from __future__ import annotations
 
 import pathlib
-import shutil
-import tempfile
 
 from absl.testing import absltest
 
 from fixtures import FIXTURES
-from server_test import ServerProcess, close_server, metric, open_clients, package_tokenizer
+from server_test import close_server, metric, package_tokenizer, serve_gguf
 
 NEW_TOKENS = 8
 PROMPTS = ("The quick brown fox", "Hello, world!")   # 14 and 10 tokens: the 16 bucket holds them
@@ -39,19 +37,8 @@ class _MlaServerChecks:
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.tmp = tempfile.mkdtemp(prefix="mtpjax-server-mla-test-")
-    cls.server = ServerProcess(
-        cls.tmp, pathlib.Path(cls.tmp) / "server.log", f"--config.model.source={cls.GGUF}",
-        f"--config.server.model_name={cls.MODEL}",
-        "--config.defaults.speculative.strategy=native-mtp-n1", *ENGINE_FLAGS, tiny=False)
-    try:
-      cls.prepare_references()      # while the server compiles
-      cls.url = cls.server.wait_ready()
-    except BaseException:
-      cls.server.stop()
-      shutil.rmtree(cls.tmp, ignore_errors=True)
-      raise
-    open_clients(cls)
+    serve_gguf(cls, cls.GGUF, cls.MODEL, "--config.defaults.speculative.strategy=native-mtp-n1",
+               *ENGINE_FLAGS)
 
   @classmethod
   def prepare_references(cls):

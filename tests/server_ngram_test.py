@@ -10,16 +10,16 @@ in this process, and the answers must equal those with speculation disabled.
 from __future__ import annotations
 
 import pathlib
-import shutil
 import tempfile
 
 import numpy as np
 from absl.testing import absltest
 
-from server_test import ServerProcess, close_server, metric, open_clients, package_tokenizer
+from server_test import close_server, metric, package_tokenizer, serve_gguf
 
 MODEL = "tiny-no-nextn"
 NEW_TOKENS = 48
+_TMP = tempfile.TemporaryDirectory()
 ENGINE_FLAGS = ("--config.engine.slots=1", "--config.engine.max_len=96",
                 "--config.engine.prefill_buckets=(32,)", "--config.engine.adaptive_drafting=off")
 
@@ -36,22 +36,11 @@ class NgramServerTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.tmp = tempfile.mkdtemp(prefix="mtpjax-server-ngram-test-")
     from mtpjax.testing.tiny_glm import TinyGlmSpec, write_tiny_glm_gguf
-    cls.gguf = pathlib.Path(cls.tmp) / "no-nextn.gguf"
+    cls.gguf = pathlib.Path(_TMP.name) / "no-nextn.gguf"
     write_tiny_glm_gguf(cls.gguf, TinyGlmSpec(mtp=False))
-    cls.server = ServerProcess(
-        cls.tmp, pathlib.Path(cls.tmp) / "server.log", f"--config.model.source={cls.gguf}",
-        f"--config.server.model_name={MODEL}",
-        "--config.defaults.speculative.strategy=ngram-simple", *ENGINE_FLAGS, tiny=False)
-    try:
-      cls.prepare_references()      # while the server compiles
-      cls.url = cls.server.wait_ready()
-    except BaseException:
-      cls.server.stop()
-      shutil.rmtree(cls.tmp, ignore_errors=True)
-      raise
-    open_clients(cls)
+    serve_gguf(cls, cls.gguf, MODEL, "--config.defaults.speculative.strategy=ngram-simple",
+               *ENGINE_FLAGS)
 
   @classmethod
   def prepare_references(cls):

@@ -112,6 +112,23 @@ def open_clients(cls) -> None:
                              timeout=120)
 
 
+def serve_gguf(cls, gguf, model_name: str, *flags: str) -> None:
+  """Start `cls.server` on a GGUF in a new `cls.tmp`, run `cls.prepare_references()` while it
+  compiles, wait until it is ready and open the clients (`open_clients`)."""
+  cls.tmp = tempfile.mkdtemp(prefix="mtpjax-server-test-")
+  cls.server = ServerProcess(
+      cls.tmp, pathlib.Path(cls.tmp) / "server.log", f"--config.model.source={gguf}",
+      f"--config.server.model_name={model_name}", *flags, tiny=False)
+  try:
+    cls.prepare_references()
+    cls.url = cls.server.wait_ready()
+  except BaseException:
+    cls.server.stop()
+    shutil.rmtree(cls.tmp, ignore_errors=True)
+    raise
+  open_clients(cls)
+
+
 def close_server(cls) -> None:
   """Close a test class's clients, stop its server and remove its folder."""
   cls.http.close()

@@ -45,7 +45,8 @@ import mtpjax
 from mtpjax import errors, loading
 from mtpjax.draft_window import MAX_DRAFT_TOKENS, DraftWindow
 from mtpjax.engine.contract import pow2_bucket, warm_up
-from mtpjax.engine.scheduler import AdaptiveDrafting, Request, Result, SlotScheduler
+from mtpjax.engine.drafting_policy import AdaptiveDrafting
+from mtpjax.engine.scheduler import Request, Result, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.gguf.tokenizer import GgufTokenizer
 from mtpjax.models.traffic import weight_mb_per_step

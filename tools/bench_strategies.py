@@ -22,8 +22,9 @@ import numpy as np
 import mtpjax
 from mtpjax.engine.composite import HostDrafting
 from mtpjax.engine.contract import pow2_bucket, warm_up
+from mtpjax.engine.drafting_policy import AdaptiveDrafting
 from mtpjax.engine.sampling import SamplerParams
-from mtpjax.engine.scheduler import AdaptiveDrafting, Request, SlotScheduler
+from mtpjax.engine.scheduler import Request, SlotScheduler
 from mtpjax.gguf.tokenizer import GgufTokenizer
 from mtpjax.package import generation_rules
 from mtpjax.telemetry import MtpStats

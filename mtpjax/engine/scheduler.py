@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import statistics
 import time
-import weakref
 from typing import Callable, Iterable
 
 import numpy as np
@@ -21,7 +19,7 @@ from mtpjax import errors
 from mtpjax.draft_window import DraftWindow
 from mtpjax.engine.composite import CompositeDraft, NgramDrafter
 from mtpjax.engine.contract import ACCEPTED, COUNT, DecodeEngine, committed_tokens, mtp_chain
-from mtpjax.engine.state import CATCH_UP_ROWS
+from mtpjax.engine.drafting_policy import AdaptiveDrafting, DraftingCost
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.telemetry import MtpStats
 
@@ -67,119 +65,6 @@ class Result:
   time_to_first_token_s: float
   total_time_s: float
   logprobs: list[TokenLogprob] | None = None      # one per token, when the request asked
-
-
-@dataclasses.dataclass(frozen=True)
-class AdaptiveDrafting:
-  """When to draft, so that MTP on is not slower than MTP off.
-
-  Per slot: after `window` verified drafts with an accept rate below `min_accept_rate`, the
-  slot stops asking for drafting steps for `cooldown` steps, doubling (up to `max_backoff`
-  times) while its windows keep failing: a short dip costs a few drafts, a slot whose drafts
-  stay poor soon pauses for long. A drafting step computes both rows and the MTP block for
-  every slot, so it costs the same whichever slots use their drafts: while any live slot
-  drafts, every live slot verifies its draft (a paused one too), and only when every slot is
-  paused does the batch take a plain step.
-  Per batch (`cost_aware`): drafting pays when (1 + accepted drafts) tokens per drafting step
-  beat one token per plain step in wall time, the plain steps of a pause being charged the
-  catch-up passes that resuming after them runs. With a multi-token window the same verdict
-  chooses the window: a depth that does not pay lowers the batch's cap on every slot's window
-  by one (repriced at the new depth) before drafting pauses at the minimum, and a depth that
-  pays raises the cap again unless the deeper one was last measured to pay less. The scheduler times both kinds of steps (a few plain
-  steps are sampled first, once per engine: the prices carry over to later schedulers of the
-  same engine); when drafting does not pay, every slot pauses the same way, for `cooldown`
-  steps doubling up to `max_backoff` times while it keeps not paying. A step in which no slot
-  drafts costs what a step with MTP off costs (no MTP block, see `Engine.step`).
-  """
-  window: int = 8
-  min_accept_rate: float = 0.3
-  cooldown: int = 8
-  cost_aware: bool = True
-  max_backoff: int = 16
-  probe_steps: int = 4          # plain steps sampled to price a step without drafting
-
-  MODES = ("cost", "accept_rate", "off")
-
-  @classmethod
-  def from_mode(cls, mode: str) -> "AdaptiveDrafting | None":
-    """`config.engine.adaptive_drafting`: "cost" (the default policy), "accept_rate" (per-slot
-    pauses only) or "off" (every step drafts)."""
-    if mode not in cls.MODES:
-      raise errors.MtpjaxError(
-          f"unknown adaptive drafting mode {mode!r}", field="engine.adaptive_drafting",
-          remedy=f"choose one of {', '.join(cls.MODES)}")
-    return None if mode == "off" else cls(cost_aware=mode == "cost")
-
-  def pause(self, backoff: int) -> tuple[int, int]:
-    """(steps of the pause due at `backoff`, the backoff after it): the same doubling rule for
-    a slot and for the batch."""
-    return self.cooldown * backoff, min(2 * backoff, self.max_backoff)
-
-
-class DraftingCost:
-  """Recent wall time of drafting and plain steps, of a catch-up pass when drafting resumes,
-  and the accept rate of recent drafts."""
-
-  SAMPLES = 16
-
-  def __init__(self):
-    self.seconds = {True: collections.deque(maxlen=self.SAMPLES),
-                    False: collections.deque(maxlen=self.SAMPLES)}
-    self.catch_up_pass = collections.deque(maxlen=self.SAMPLES)
-    self.accepted = collections.deque(maxlen=4 * self.SAMPLES)
-
-  @classmethod
-  def of(cls, engine) -> "DraftingCost":
-    """The prices observed on `engine` so far: step costs belong to the engine, so a new
-    scheduler (one per `generate` call) does not pay for probing plain steps again."""
-    cost = _ENGINE_COSTS.get(engine)
-    if cost is None:
-      cost = _ENGINE_COSTS[engine] = cls()
-    return cost
-
-  def observe_step(self, drafting: bool, seconds: float, caught_up_rows: int = 0) -> None:
-    """A drafting step that first caught up `caught_up_rows` paused rows prices a catch-up
-    pass (its time beyond a drafting step's price, per pass) instead of the drafting step."""
-    if not (drafting and caught_up_rows):
-      self.seconds[drafting].append(seconds)
-    elif len(self.seconds[True]) >= 2:
-      extra = seconds - self._price(True)
-      self.catch_up_pass.append(max(extra, 0.0) / -(-caught_up_rows // CATCH_UP_ROWS))
-
-  def observe_draft(self, accepted: int) -> None:
-    """One slot's verified window: how many of its drafts were accepted."""
-    self.accepted.append(int(accepted))
-
-  def reprice_drafting(self) -> None:
-    """Forget drafting steps' prices and acceptance: the window depth changed."""
-    self.seconds[True].clear()
-    self.accepted.clear()
-
-  def priced(self, steps: int) -> bool:
-    """Both kinds of steps have at least `steps` timings."""
-    return min(len(self.seconds[True]), len(self.seconds[False])) >= steps
-
-  def _price(self, drafting: bool) -> float:
-    """The median of recent steps of one kind without the slowest (a compile, a hiccup).
-
-    Plain Python: these run on the host between steps, where numpy's per-call overhead on a
-    16-element deque costs more than the arithmetic."""
-    return statistics.median(sorted(self.seconds[drafting])[:-1])
-
-  def drafting_gain(self, pause_steps: int) -> float:
-    """Tokens per second with drafting over without (both must be priced), over a pause of
-    `pause_steps` plain steps and the catch-up passes that resuming after them runs."""
-    rate = sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
-    passes = -(-pause_steps // CATCH_UP_ROWS)
-    catch_up = passes * statistics.median(self.catch_up_pass) if self.catch_up_pass else 0.0
-    paused = self._price(False) + catch_up / pause_steps
-    return (1.0 + rate) * paused / self._price(True)
-
-  def drafting_pays(self, pause_steps: int) -> bool:
-    return self.drafting_gain(pause_steps) >= 1.0
-
-
-_ENGINE_COSTS: "weakref.WeakKeyDictionary[object, DraftingCost]" = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass
@@ -434,8 +319,10 @@ class SlotScheduler:
       self._emit(index, tokens, _token_logprobs(live.request, info.get("logprobs"), index,
                                                 tokens))
     if self.speculating:   # the step's wall time, with the host's per-step work
+      # Only native MTP catches up after plain steps (an n-gram proposer has no cache).
       self.cost.observe_step(drafted, time.perf_counter() - started,
-                             caught_up_rows=self._plain_steps if drafted else 0)
+                             caught_up_rows=self._plain_steps if drafted and self.native_mtp
+                             else 0)
       self._plain_steps = 0 if drafted else self._plain_steps + 1
       self._price_drafting(drafted)
 

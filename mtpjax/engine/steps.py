@@ -11,6 +11,10 @@ the MTP head over the k + 1 new rows and drafts the next chain from the row of t
 `current` (`draft_chain`). Rows past the committed length are never read before they are
 rewritten, in the trunk caches and the MTP cache alike, so a rejection needs no rollback.
 
+Host drafts (an n-gram proposer's, alone or extending the MTP chain: `composite.py`) are
+verified the same way, in place of the slot's chain; without native MTP `host_verify_commit`
+commits them with no NextN block at all.
+
 While no slot drafts, a plain step costs what a step with MTP off costs: the MTP block does not
 run, each committed row's MTP inputs (token, trunk hidden) go to a history buffer and the
 slot's MTP KV falls behind. Before drafting resumes, catch-up passes run the MTP block over the

@@ -17,10 +17,11 @@ from absl import logging
 
 import mtpjax
 from mtpjax import distributed, embedded, errors, speculative, warm_start
-from mtpjax.engine.contract import warm_up
-from mtpjax.engine.sampling import MAX_TOP_LOGPROBS
 from mtpjax.engine.composite import HostDrafting
-from mtpjax.engine.scheduler import AdaptiveDrafting, SlotScheduler
+from mtpjax.engine.contract import warm_up
+from mtpjax.engine.drafting_policy import AdaptiveDrafting
+from mtpjax.engine.sampling import MAX_TOP_LOGPROBS
+from mtpjax.engine.scheduler import SlotScheduler
 from mtpjax.gguf.tokenizer import GgufTokenizer
 from mtpjax.server.admission import Admission
 from mtpjax.server.app import SamplingDefaults, Service, create_app
