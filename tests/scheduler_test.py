@@ -421,6 +421,25 @@ class CostAwareDraftingTest(parameterized.TestCase):
     other = SlotScheduler(SlowStepEngine(engine(True, slots=2), slow_drafting=False))
     self.assertIsNot(other.cost, first.cost)     # prices belong to one engine
 
+  def test_a_pause_carries_over_to_the_next_scheduler(self):
+    slow = SlowStepEngine(engine(True, slots=2), slow_drafting=True)
+    policy = AdaptiveDrafting(window=4, probe_steps=3, cooldown=64)
+    first = SlotScheduler(slow, adaptive=policy)
+    first_stats = MtpStats.total(r.stats for r in first.run(self.requests))
+    left = first.batch_paused_steps
+    # A window, the probe, one more window, then a 64-step pause that outlasts the requests.
+    self.assertGreater(left, 16)
+    second = SlotScheduler(slow, adaptive=policy)
+    self.assertEqual(second.batch_paused_steps, left)     # no window of drafting to relearn it
+    results = second.run(self.requests)
+    self.assertEqual([r.tokens for r in results], self.reference)
+    self.assertLess(MtpStats.total(r.stats for r in results).verifications,
+                    first_stats.verifications)
+    # The pause binds the cost policy only: a scheduler without it drafts at once.
+    self.assertEqual(SlotScheduler(slow, adaptive=None).batch_paused_steps, 0)
+    self.assertEqual(SlotScheduler(slow, adaptive=AdaptiveDrafting(cost_aware=False)
+                                   ).batch_paused_steps, 0)
+
   def test_modes(self):
     self.assertIsNone(AdaptiveDrafting.from_mode("off"))
     self.assertFalse(AdaptiveDrafting.from_mode("accept_rate").cost_aware)

@@ -29,10 +29,11 @@ class AdaptiveDrafting:
   catch-up passes that resuming after them runs. With a multi-token window the same verdict
   chooses the window: a depth that does not pay lowers the batch's cap on every slot's window
   by one (repriced at the new depth) before drafting pauses at the minimum, and a depth that
-  pays raises the cap again unless the deeper one was last measured to pay less. The scheduler times both kinds of steps (a few plain
-  steps are sampled first, once per engine: the prices carry over to later schedulers of the
-  same engine); when drafting does not pay, every slot pauses the same way, for `cooldown`
-  steps doubling up to `max_backoff` times while it keeps not paying. A step in which no slot
+  pays raises the cap again unless the deeper one was last measured to pay less. The scheduler
+  times both kinds of steps (a few plain steps are sampled first, once per engine: the prices
+  and the verdict, `BatchVerdict`, carry over to later schedulers of the same engine); when
+  drafting does not pay, every slot pauses the same way, for `cooldown` steps doubling up to
+  `max_backoff` times while it keeps not paying. A step in which no slot
   drafts costs what a step with MTP off costs (no MTP block, see `Engine.step`).
   """
   window: int = 8
@@ -60,9 +61,21 @@ class AdaptiveDrafting:
     return self.cooldown * backoff, min(2 * backoff, self.max_backoff)
 
 
+@dataclasses.dataclass
+class BatchVerdict:
+  """The batch-level cost policy's standing decision on one engine. It is kept with the
+  engine's prices, so a new scheduler (one per `generate` call, or a benchmark pass) goes on
+  from it: a pause that drafting earned runs out before drafting is tried again, instead of
+  every scheduler paying a window of drafting steps to find out again."""
+  paused_steps: int = 0           # steps left in which no slot drafts
+  backoff: int = 1                # the next pause is cooldown x backoff steps
+  window_cap: int | None = None   # the cap on every slot's window (None: the window's max)
+  cap_gain: dict = dataclasses.field(default_factory=dict)   # last gain measured per cap
+
+
 class DraftingCost:
   """Recent wall time of drafting and plain steps, of a catch-up pass when drafting resumes,
-  and the accept rate of recent drafts."""
+  the accept rate of recent drafts, and the batch policy's verdict on them."""
 
   SAMPLES = 16
 
@@ -71,11 +84,13 @@ class DraftingCost:
                     False: collections.deque(maxlen=self.SAMPLES)}
     self.catch_up_pass = collections.deque(maxlen=self.SAMPLES)
     self.accepted = collections.deque(maxlen=4 * self.SAMPLES)
+    self.verdict = BatchVerdict()
 
   @classmethod
   def of(cls, engine) -> "DraftingCost":
     """The prices observed on `engine` so far: step costs belong to the engine, so a new
-    scheduler (one per `generate` call) does not pay for probing plain steps again."""
+    scheduler (one per `generate` call) does not pay for probing plain steps again, nor for
+    drafting through a pause its predecessor decided on."""
     cost = _ENGINE_COSTS.get(engine)
     if cost is None:
       cost = _ENGINE_COSTS[engine] = cls()

@@ -141,12 +141,12 @@ class SlotScheduler:
           f"a draft window of up to {self.window.max} tokens needs an engine compiled for it "
           f"(draft_tokens {top})", field="engine.draft_tokens",
           remedy="build the engine with draft_tokens = the window's max")
-    self.window_cap = self.window.max   # the cost policy's cap on every slot's window
     self.window_in_use = 0.0            # the last step's mean draft window over live slots
-    self._cap_gain: dict[int, float] = {}
     self.cost = DraftingCost.of(engine)
-    self.batch_paused_steps = 0     # steps left in which no slot drafts (cost policy)
-    self._backoff = 1
+    self.verdict = self.cost.verdict    # the cost policy's, carried over with the prices
+    if not (self.verdict.window_cap and
+            self.window.min <= self.verdict.window_cap <= self.window.max):
+      self.window_cap = self.window.max
     self._drafting_steps = 0        # drafting steps since the last cost verdict
     self._plain_steps = 0           # plain steps since the last drafting step (rows to catch up)
     self.state = engine.init_state()
@@ -158,6 +158,28 @@ class SlotScheduler:
   @property
   def native_mtp(self) -> bool:
     return self.engine.engine_cfg.native_mtp
+
+  @property
+  def cost_aware(self) -> bool:
+    return self.adaptive is not None and self.adaptive.cost_aware
+
+  @property
+  def window_cap(self) -> int:
+    """The cost policy's cap on every slot's native-MTP window (none without the policy)."""
+    return self.verdict.window_cap if self.cost_aware else self.window.max
+
+  @window_cap.setter
+  def window_cap(self, cap: int) -> None:
+    self.verdict.window_cap = cap
+
+  @property
+  def batch_paused_steps(self) -> int:
+    """Steps left in which no slot drafts (the cost policy's pause; none without it)."""
+    return self.verdict.paused_steps if self.cost_aware else 0
+
+  @batch_paused_steps.setter
+  def batch_paused_steps(self, steps: int) -> None:
+    self.verdict.paused_steps = steps
 
   @property
   def speculating(self) -> bool:
@@ -363,7 +385,7 @@ class SlotScheduler:
   def _price_drafting(self, drafted: bool) -> None:
     """The batch-level cost policy of `AdaptiveDrafting` (see there)."""
     policy = self.adaptive
-    if policy is None or not policy.cost_aware:
+    if not self.cost_aware:
       return
     if not drafted:
       self.batch_paused_steps = max(0, self.batch_paused_steps - 1)
@@ -375,16 +397,16 @@ class SlotScheduler:
     if not self.cost.priced(policy.probe_steps):
       self.batch_paused_steps = policy.probe_steps
       return
-    cap = self.window_cap
-    gain = self._cap_gain[cap] = self.cost.drafting_gain(policy.pause(self._backoff)[0])
+    cap, verdict = self.window_cap, self.verdict
+    gain = verdict.cap_gain[cap] = self.cost.drafting_gain(policy.pause(verdict.backoff)[0])
     if gain >= 1.0:
-      self._backoff = 1
-      if cap < self.window.max and self._cap_gain.get(cap + 1, gain + 1.0) > gain:
+      verdict.backoff = 1
+      if cap < self.window.max and verdict.cap_gain.get(cap + 1, gain + 1.0) > gain:
         self._set_window_cap(cap + 1)
     elif cap > self.window.min:
       self._set_window_cap(cap - 1)
     else:
-      self.batch_paused_steps, self._backoff = policy.pause(self._backoff)
+      verdict.paused_steps, verdict.backoff = policy.pause(verdict.backoff)
 
   def _set_window_cap(self, cap: int) -> None:
     self.window_cap = cap
