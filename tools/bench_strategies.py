@@ -110,6 +110,9 @@ def measure(model, strategy_ids: dict[str, str], prompts: dict[str, list[np.ndar
         "speedup": rate[shown] / rate[BASELINE],
         "tokens_per_target_pass": always[shown].tokens_per_target_pass,
         "accept_rate": always[shown].accept_rate,
+        # The host's n-gram lookups and index updates (0 for native MTP's on-device chain).
+        "host_draft_us_per_step": (always[shown].proposal_compute_us
+                                   / max(always[shown].target_passes, 1)),
         "outputs_identical": outputs[shown] == outputs[BASELINE],
     } for shown, strategy_id in {BASELINE: BASELINE, **strategy_ids}.items()}
   record["compile_s"] = {shown: spec["compile_s"] for shown, spec in runs.items()}

@@ -33,7 +33,8 @@ class AdaptiveDrafting:
   times both kinds of steps (a few plain steps are sampled first, once per engine: the prices
   and the verdict, `BatchVerdict`, carry over to later schedulers of the same engine); when
   drafting does not pay, every slot pauses the same way, for `cooldown` steps doubling up to
-  `max_backoff` times while it keeps not paying. A step in which no slot
+  `max_backoff` times while it keeps not paying, and after such a pause `probe_steps` drafting
+  steps (not a whole `window`) re-price it. A step in which no slot
   drafts costs what a step with MTP off costs (no MTP block, see `Engine.step`).
   """
   window: int = 8

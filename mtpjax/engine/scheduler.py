@@ -4,6 +4,11 @@ A request joins as soon as a slot is free (prefill, then insert), every step adv
 slots at once, and a finished request frees its slot for the next. Each request's tokens are
 those it would get alone: sampling is keyed by (request seed, position), never by slot or
 schedule. Streaming consumers get each request's tokens through `on_tokens`.
+
+Before each step the scheduler decides every slot's draft window (the drafting policy,
+`drafting_policy.py`) and, with host drafting, asks each request's drafter for the tokens the
+step verifies (a composite's start with the MTP chain the previous step returned); after it,
+each drafter learns what was accepted and committed.
 """
 
 from __future__ import annotations
@@ -361,7 +366,9 @@ class SlotScheduler:
       live.proposed = None
       if not (self.native_mtp or self._drafts(live)):
         continue
+      started = time.perf_counter()
       proposed = live.ngram.draft(top, live.mtp_chain[:windows[index]])
+      live.counts["proposal_us"] += int((time.perf_counter() - started) * 1e6)
       windows[index] = len(proposed.tokens)
       if proposed.tokens:
         live.proposed = proposed
@@ -370,11 +377,14 @@ class SlotScheduler:
 
   def _host_verified(self, live: _Live, row: list[int], tokens: list[int]) -> None:
     """Feed a step's outcome to the request's drafter: what it accepted of the host draft and
-    the tokens committed, and (a composite) the next MTP chain."""
+    the tokens committed, and (a composite) the next MTP chain. The host's time drafting counts
+    as the request's proposal compute."""
+    started = time.perf_counter()
     if live.proposed is None:
       live.ngram.commit(tokens)
     else:
       live.ngram.verified(live.proposed, row[ACCEPTED], tokens)
+    live.counts["proposal_us"] += int((time.perf_counter() - started) * 1e6)
     if self.engine.engine_cfg.mtp_chain_columns:
       live.mtp_chain = mtp_chain(row, self.engine.engine_cfg.draft_tokens)
 
@@ -391,7 +401,11 @@ class SlotScheduler:
       self.batch_paused_steps = max(0, self.batch_paused_steps - 1)
       return
     self._drafting_steps += 1
-    if self._drafting_steps < policy.window:
+    # Resuming after a pause for not paying, `probe_steps` drafting steps re-price drafting
+    # (the rest of the prices are recent): a full window each time would cost more than the
+    # pause saves where drafting keeps not paying.
+    if self._drafting_steps < (policy.window if self.verdict.backoff == 1 else
+                               min(policy.probe_steps, policy.window)):
       return
     self._drafting_steps = 0
     if not self.cost.priced(policy.probe_steps):
