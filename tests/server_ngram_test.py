@@ -75,6 +75,8 @@ class NgramServerTest(absltest.TestCase):
     self.assertEqual(card["speculative"]["strategy"], "ngram-simple")
     self.assertEqual(card["speculative"]["type"], "ngram-simple")
     self.assertEqual(card["speculative"]["ngram"]["max_proposal_tokens"], 4)
+    self.assertEqual(card["speculative"]["max_draft_tokens_per_step"], 4)
+    self.assertIsNone(card["speculative"]["draft_window"])     # no native-MTP window
 
   def test_greedy_answers_equal_no_speculation_and_drafts_are_counted(self):
     before = self.http.get("/metrics").text

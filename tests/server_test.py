@@ -228,6 +228,7 @@ class ServerTest(ServerTestBase):
                       card["speculative"]["ngram"]), ("native-mtp", "native-mtp-n1", None))
     self.assertEqual(card["speculative"]["draft_window"], {   # the package's fixed 1/1/1
         "policy": "fixed", "min_window": 1, "initial_window": 1, "max_window": 1})
+    self.assertEqual(card["speculative"]["max_draft_tokens_per_step"], 1)
     self.assertEqual(card["max_model_len"], 1024)
     self.assertEqual(self.client.models.retrieve(MODEL).id, MODEL)
     self.assertEqual(self.http.get("/health").json()["status"], "ok")
@@ -435,6 +436,7 @@ class MtpOffServerTest(ServerTestBase):
     self.assertIn("disabled", card["speculative"]["reason"])
     self.assertIsNone(card["speculative"]["type"])
     self.assertIsNone(card["speculative"]["draft_window"])
+    self.assertEqual(card["speculative"]["max_draft_tokens_per_step"], 0)
     self.assertIn("native MTP off", self.server.log())
     self.assertIn("speculative drafting: {'type': None", self.server.log())
 

@@ -120,7 +120,8 @@ def build_service(config) -> Service:
                  top_logprobs=engine.engine_cfg.logprobs,
                  seeds=random.Random(config.engine.seed), limits=limits,
                  admission=Admission(settings.slots, limits),
-                 prompts=PromptBuilder(tokenizer, chat_template))
+                 prompts=PromptBuilder(tokenizer, chat_template),
+                 draft_tokens=drafting.draft_tokens if engine.engine_cfg.drafts else 0)
 
 
 class _Server(uvicorn.Server):

@@ -66,6 +66,7 @@ class Service:
   limits: ServerLimits
   admission: Admission
   prompts: PromptBuilder          # template rendering and tokenization, off the event loop
+  draft_tokens: int = 0           # the most drafts a step verifies, any strategy (0: none)
   created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
   @property
@@ -83,7 +84,8 @@ class Service:
                         r.mtp_layer_index, "disabled_by_env": r.disabled_by_env,
                         "reason": r.reason, **r.summary(),
                         "draft_window": self.settings.draft_window.as_dict()
-                        if self.settings.native_mtp else None},
+                        if self.settings.native_mtp else None,
+                        "max_draft_tokens_per_step": self.draft_tokens},
     }
 
 
