@@ -17,6 +17,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import functools  # noqa: E402  (the device count must be set before jax loads)
+import json  # noqa: E402
 import tempfile  # noqa: E402
 
 import numpy as np
@@ -36,6 +37,7 @@ _TMP = tempfile.TemporaryDirectory()
 NEW_TOKENS = 16
 ENGINE = dict(slots=2, max_len=96, prefill_buckets=(32, 64))
 COMPOSITE = "mtp-simple"
+CAPPED = "ngram-capped"
 DEMO = os.path.join(os.path.dirname(mtpjax.__file__), "assets", "glm-demo")
 DEMO_TOKENS = 32
 
@@ -63,10 +65,20 @@ def source(kind: str) -> str:
                       else TinyGlmSpec(mtp=False))
   if kind == "plain":
     return path
-  return str(strategies.composite_package(
+  package = strategies.composite_package(
       path, os.path.join(_TMP.name, "composite-package"), strategy_id=COMPOSITE,
       extender={"type": "ngram-simple", "ngram_min": 1, "ngram_max": 3,
-                "max_proposal_tokens": 4}))
+                "max_proposal_tokens": 4})
+  # An n-gram strategy whose window policy caps its proposer's 6 tokens at 3 a step.
+  manifest_path = package / "model-package.json"
+  manifest = json.loads(manifest_path.read_text())
+  block = manifest["generation"]["speculative_decoding"]
+  block["proposers"]["six"] = {"type": "ngram-simple", "ngram_min": 2, "ngram_max": 4,
+                               "max_proposal_tokens": 6}
+  block["strategies"][CAPPED] = {"type": "ngram-simple", "proposer": "six", "window_policy": {
+      "default": "fixed", "initial_window": 3, "min_window": 1, "max_window": 3}}
+  manifest_path.write_text(json.dumps(manifest, indent=1))
+  return str(package)
 
 
 @functools.cache
@@ -221,7 +233,8 @@ class HostDraftingWindowTest(parameterized.TestCase):
     plain = mtpjax.load(source("plain"))
     cases = {"ngram-simple": (plain, 4, True), "ngram-cache": (plain, 4, True),
              "ngram-suffix": (plain, 8, True), "disabled": (plain, 1, False),
-             "native-mtp-n1": (nextn, 1, False), COMPOSITE: (nextn, 5, True)}
+             "native-mtp-n1": (nextn, 1, False), COMPOSITE: (nextn, 5, True),
+             CAPPED: (nextn, 3, True)}
     for strategy, (model, deepest, host) in cases.items():
       resolution = model.resolve(strategy)
       drafting = HostDrafting.of(resolution, resolution.draft_window)
