@@ -299,11 +299,12 @@ class Engine:
     drafts = drafts if depth else None      # a step that verifies nothing keeps its chain
     part = _with_drafts(head.first(k), drafts) if layout.output else None
     if layout.embeddings:
-      # A single stage reads its inputs from the head state it donates, stage 0 from the hop.
-      current = ((part.slots.current, part.slots.draft, part.slots.pos) if layout.output
-                 else tuple(a[:k] for a in inp))
-      if drafts is not None:
-        current = (current[0], drafts, current[2])
+      if layout.output:     # a single stage reads its inputs from the head state it donates
+        current = (part.slots.current, part.slots.draft, part.slots.pos)
+      else:                 # stage 0 of a pipeline from the hop, verifying the host's drafts
+        current = tuple(a[:k] for a in inp)
+        if drafts is not None:
+          current = (current[0], drafts, current[2])
       inp, positions = steps.step_inputs(*current, depth)
     else:
       x, positions, selection = inp

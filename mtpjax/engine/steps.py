@@ -214,18 +214,25 @@ def _keep(active, new, old):
   return jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
 
 
-def host_verify_commit(head: HeadState, verified, active, window
-                       ) -> tuple[HeadState, jax.Array]:
-  """Commit the accepted host drafts (an n-gram proposer's, without native MTP) and the
-  target's next token per slot: the MTP-free half of `draft_commit`."""
+def _commit_accepted(head: HeadState, tokens, hidden, accepted, active
+                     ) -> tuple[HeadState, jax.Array]:
+  """Commit each active slot's `accepted` drafts and the target's next token (`tokens`,
+  `hidden` [B, k + 1, ...] of the verified rows): the slot moves to the new `current`."""
   s = head.slots
-  tokens, hidden = verified
-  accepted = accepted_drafts(tokens, s.draft, window)
   result = result_rows(tokens, accepted + 1, accepted, s.draft.shape[1])
   slots = s.replace(pos=_keep(active, s.pos + accepted + 1, s.pos),
                     current=_keep(active, _at(tokens, accepted), s.current),
                     h_prev=_keep(active, _at(hidden, accepted), s.h_prev))
   return head.replace(slots=slots), result
+
+
+def host_verify_commit(head: HeadState, verified, active, window
+                       ) -> tuple[HeadState, jax.Array]:
+  """Commit the accepted host drafts (an n-gram proposer's, without native MTP) and the
+  target's next token per slot: `draft_commit` without the NextN block."""
+  tokens, hidden = verified
+  return _commit_accepted(head, tokens, hidden, accepted_drafts(tokens, head.slots.draft, window),
+                          active)
 
 
 def draft_commit(model: CausalLM, head: HeadState, verified, active, window
@@ -243,20 +250,15 @@ def draft_commit(model: CausalLM, head: HeadState, verified, active, window
   tokens, hidden = verified
   depth = tokens.shape[1] - 1
   accepted = accepted_drafts(tokens, s.draft, window)
+  committed, result = _commit_accepted(head, tokens, hidden, accepted, active)
   positions = s.pos[:, None] + jnp.arange(1, depth + 2, dtype=jnp.int32)[None]
   z, y, mtp_kv = model.mtp_rows(tokens, hidden, positions, head.mtp_kv)
-  pos = s.pos + accepted + 1
   # Only the row of the new `current` drafts; the chain runs the head once per draft.
-  chain, mtp_kv = draft_chain(model, mtp_kv, _at(z, accepted), _at(y, accepted), pos, depth)
+  chain, mtp_kv = draft_chain(model, mtp_kv, _at(z, accepted), _at(y, accepted),
+                              s.pos + accepted + 1, depth)
   draft = jnp.concatenate([chain, s.draft[:, depth:]], axis=1)
-  result = result_rows(tokens, accepted + 1, accepted, s.draft.shape[1])
-  keep = lambda new, old: _keep(active, new, old)
-  slots = s.replace(
-      pos=keep(pos, s.pos),
-      current=keep(_at(tokens, accepted), s.current),
-      draft=keep(draft, s.draft),
-      h_prev=keep(_at(hidden, accepted), s.h_prev))
-  return head.replace(mtp_kv=mtp_kv, slots=slots), result
+  return committed.replace(mtp_kv=mtp_kv, slots=committed.slots.replace(
+      draft=_keep(active, draft, s.draft))), result
 
 
 def plain_commit(model: CausalLM, head: HeadState, hidden, active, top_n: int = 0,
