@@ -267,6 +267,15 @@ class Model:
           self.hops, self.config, engine_cfg, dtype=loading.resolve_dtype(self.dtype))
     return self._engines[engine_cfg]
 
+  def drafting_engine(self, resolution, window: DraftWindow | None = None, **settings
+                      ) -> tuple[Engine, HostDrafting]:
+    """The engine a resolved strategy decodes with, and what its scheduler needs of it
+    (`HostDrafting`: the per-request drafter); `window`: native MTP's (default: the
+    resolution's); `settings` as `engine` takes them."""
+    drafting = HostDrafting.of(resolution, resolution.draft_window if window is None else window)
+    return self.engine(native_mtp=resolution.native_mtp, draft_tokens=drafting.draft_tokens,
+                       host_drafts=drafting.host, **settings), drafting
+
   def generate(self, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids=(),
                speculative: str | None = None, timing: bool = False,
@@ -284,10 +293,8 @@ class Model:
     window = resolution.draft_window if draft_window is None else draft_window
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     max_len = max(128, pow2_bucket(prompt.size + max_new_tokens + 1))
-    drafting = HostDrafting.of(resolution, window)
-    engine = self.engine(native_mtp=resolution.native_mtp, max_len=max_len, timing=timing,
-                         logprobs=MAX_TOP_LOGPROBS if logprobs else 0,
-                         draft_tokens=drafting.draft_tokens, host_drafts=drafting.host)
+    engine, drafting = self.drafting_engine(resolution, window, max_len=max_len, timing=timing,
+                                            logprobs=MAX_TOP_LOGPROBS if logprobs else 0)
     request = Request(prompt=prompt, max_new_tokens=int(max_new_tokens),
                       sampler=SamplerParams(temperature, top_k, top_p, seed),
                       stop_ids=frozenset(int(t) for t in stop_ids), logprobs=logprobs)

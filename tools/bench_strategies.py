@@ -20,7 +20,6 @@ import time
 import numpy as np
 
 import mtpjax
-from mtpjax.engine.composite import HostDrafting
 from mtpjax.engine.contract import pow2_bucket, warm_up
 from mtpjax.engine.drafting_policy import AdaptiveDrafting
 from mtpjax.engine.sampling import SamplerParams
@@ -69,9 +68,7 @@ def measure(model, strategy_ids: dict[str, str], prompts: dict[str, list[np.ndar
   runs = {}
   for shown, strategy_id in {BASELINE: BASELINE, **strategy_ids}.items():
     resolution = model.resolve(strategy_id)
-    drafting = HostDrafting.of(resolution, resolution.draft_window)
-    engine = model.engine(native_mtp=resolution.native_mtp, draft_tokens=drafting.draft_tokens,
-                          host_drafts=drafting.host, **engine_kwargs)
+    engine, drafting = model.drafting_engine(resolution, **engine_kwargs)
     start = time.perf_counter()
     warm_up(engine)
     runs[shown] = dict(engine=engine, window=resolution.draft_window, drafter=drafting.drafter,

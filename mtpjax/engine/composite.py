@@ -126,14 +126,13 @@ class HostDrafting:
     caller chose): native MTP drafts up to window.max, an n-gram proposer alone up to its
     `max_proposal_tokens` (and the strategy's `window_policy.max_window`), a composite's tail
     up to `extension.max_tokens` after the MTP tokens; all within MAX_DRAFT_TOKENS."""
-    ngram = resolution.ngram
+    ngram, extension = resolution.ngram, resolution.extension   # no extension without MTP
     if ngram is None:
       return cls(window.max if resolution.native_mtp else 1)
-    if resolution.native_mtp and resolution.extension is not None:
-      deepest = window.max + resolution.extension.max_tokens
+    if extension is not None:
+      deepest = window.max + extension.max_tokens
     else:
       policy = resolution.window_policy or {}
       deepest = min(ngram.max_proposal_tokens, policy.get("max_window") or MAX_DRAFT_TOKENS)
     return cls(min(deepest, MAX_DRAFT_TOKENS),
-               functools.partial(NgramDrafter, ngram,
-                                 resolution.extension if resolution.native_mtp else None))
+               functools.partial(NgramDrafter, ngram, extension))

@@ -149,9 +149,6 @@ class SlotScheduler:
     self.window_in_use = 0.0            # the last step's mean draft window over live slots
     self.cost = DraftingCost.of(engine)
     self.verdict = self.cost.verdict    # the cost policy's, carried over with the prices
-    if not (self.verdict.window_cap and
-            self.window.min <= self.verdict.window_cap <= self.window.max):
-      self.window_cap = self.window.max
     self._drafting_steps = 0        # drafting steps since the last cost verdict
     self._plain_steps = 0           # plain steps since the last drafting step (rows to catch up)
     self.state = engine.init_state()
@@ -170,8 +167,12 @@ class SlotScheduler:
 
   @property
   def window_cap(self) -> int:
-    """The cost policy's cap on every slot's native-MTP window (none without the policy)."""
-    return self.verdict.window_cap if self.cost_aware else self.window.max
+    """The cost policy's cap on every slot's native-MTP window: none without the policy, nor
+    while the verdict's cap (another scheduler's, perhaps) lies outside this window."""
+    cap = self.verdict.window_cap
+    if self.cost_aware and cap is not None and self.window.min <= cap <= self.window.max:
+      return cap
+    return self.window.max
 
   @window_cap.setter
   def window_cap(self, cap: int) -> None:
@@ -322,11 +323,11 @@ class SlotScheduler:
     wants = any(s is not None and s.request.logprobs for s in self.slots)
     # Each live slot's window, capped by the cost policy; without native MTP `drafted` is
     # False and the engine ignores the windows.
-    windows = [min(s.window, self.window_cap) if s is not None and drafted else 0
-               for s in self.slots]
+    cap = self.window_cap
+    windows = [min(s.window, cap) if s is not None and drafted else 0 for s in self.slots]
     drafts = None
     if self.drafter is not None:
-      drafts = self._host_drafts(windows)
+      drafts, windows = self._host_drafts(windows)
       drafted = any(windows)
     self.window_in_use = sum(windows) / sum(occupied)
     self.state, result, info = self.engine.step(
@@ -353,13 +354,14 @@ class SlotScheduler:
       self._plain_steps = 0 if drafted else self._plain_steps + 1
       self._price_drafting(drafted)
 
-  def _host_drafts(self, windows: list[int]) -> np.ndarray:
-    """Each live slot's host draft for this step, [slots, draft_tokens]; `windows` becomes
-    each slot's draft length. A composite's starts with the slot's MTP chain cut to its MTP
-    window (`windows` on entry), then the n-gram tail; an n-gram proposer alone drafts up to
-    the engine's window while the slot and the batch are not paused."""
+  def _host_drafts(self, mtp_windows: list[int]) -> tuple[np.ndarray, list[int]]:
+    """Each live slot's host draft for this step, [slots, draft_tokens], and its length. A
+    composite's starts with the slot's MTP chain cut to its MTP window (`mtp_windows`), then
+    the n-gram tail; an n-gram proposer alone drafts up to the engine's window while the slot
+    and the batch are not paused."""
     top = self.engine.engine_cfg.draft_tokens
     drafts = np.zeros((len(self.slots), top), np.int32)
+    windows = [0] * len(self.slots)
     for index, live in enumerate(self.slots):
       if live is None:
         continue
@@ -367,13 +369,13 @@ class SlotScheduler:
       if not (self.native_mtp or self._drafts(live)):
         continue
       started = time.perf_counter()
-      proposed = live.ngram.draft(top, live.mtp_chain[:windows[index]])
+      proposed = live.ngram.draft(top, live.mtp_chain[:mtp_windows[index]])
       live.counts["proposal_us"] += int((time.perf_counter() - started) * 1e6)
-      windows[index] = len(proposed.tokens)
       if proposed.tokens:
         live.proposed = proposed
+        windows[index] = len(proposed.tokens)
         drafts[index, :windows[index]] = proposed.tokens
-    return drafts
+    return drafts, windows
 
   def _host_verified(self, live: _Live, row: list[int], tokens: list[int]) -> None:
     """Feed a step's outcome to the request's drafter: what it accepted of the host draft and

@@ -17,7 +17,6 @@ from absl import logging
 
 import mtpjax
 from mtpjax import distributed, embedded, errors, speculative, warm_start
-from mtpjax.engine.composite import HostDrafting
 from mtpjax.engine.contract import warm_up
 from mtpjax.engine.drafting_policy import AdaptiveDrafting
 from mtpjax.engine.sampling import MAX_TOP_LOGPROBS
@@ -89,12 +88,10 @@ def build_service(config) -> Service:
   logging.info("speculative drafting: %s", resolution.summary())
 
   settings = model.generation_settings
-  drafting = HostDrafting.of(resolution, settings.draft_window)
-  engine = model.engine(native_mtp=settings.native_mtp, slots=settings.slots,
-                        max_len=settings.max_len, prefill_buckets=settings.prefill_buckets,
-                        timing=settings.timing, logprobs=int(engine_cfg.logprobs),
-                        prefix_cache=int(engine_cfg.prefix_cache),
-                        draft_tokens=drafting.draft_tokens, host_drafts=drafting.host)
+  engine, drafting = model.drafting_engine(
+      resolution, settings.draft_window, slots=settings.slots, max_len=settings.max_len,
+      prefill_buckets=settings.prefill_buckets, timing=settings.timing,
+      logprobs=int(engine_cfg.logprobs), prefix_cache=int(engine_cfg.prefix_cache))
   tokenizer = GgufTokenizer.from_metadata(model.metadata, path=source)
   chat_template = BudgetedChatTemplate.from_metadata(
       model.metadata, path=source,
@@ -121,7 +118,7 @@ def build_service(config) -> Service:
                  seeds=random.Random(config.engine.seed), limits=limits,
                  admission=Admission(settings.slots, limits),
                  prompts=PromptBuilder(tokenizer, chat_template),
-                 draft_tokens=drafting.draft_tokens if engine.engine_cfg.drafts else 0)
+                 draft_tokens=engine.engine_cfg.draft_tokens if engine.engine_cfg.drafts else 0)
 
 
 class _Server(uvicorn.Server):
