@@ -5,6 +5,7 @@ checked against identities and against a replay of the draft rule over the final
 drafts taken from a from-scratch MTP pass (`Model.mtp_logits`), not from the engine.
 """
 
+import collections
 import functools
 import tempfile
 import time
@@ -319,8 +320,9 @@ class DraftWindowPolicyTest(absltest.TestCase):
   def test_the_cost_policy_lowers_the_cap_before_pausing(self):
     scheduler = SlotScheduler(engine(True), adaptive=AdaptiveDrafting(window=1, probe_steps=2))
     scheduler.window = DraftWindow(1, 3, 3)
+    scheduler.costs = collections.defaultdict(DraftingCost)   # this test's prices alone
+    cost = scheduler.cost
     scheduler.window_cap = 3
-    scheduler.cost = cost = DraftingCost()
     price = lambda drafting_s, accepted, steps=3: (
         [cost.observe_step(True, drafting_s) for _ in range(steps)], cost.observe_draft(accepted))
     for _ in range(3):
@@ -334,9 +336,40 @@ class DraftWindowPolicyTest(absltest.TestCase):
     price(9.0, 0, steps=5)              # median 9 s, 1.5 tokens: down to the minimum ...
     scheduler._price_drafting(True)
     self.assertEqual(scheduler.window_cap, 1)
-    price(9.0, 0)                       # ... where 1 token per 9 s pauses drafting
+    price(1.5, 0)                       # ... where 1 token per 1.5 s pauses drafting
     scheduler._price_drafting(True)
     self.assertEqual((scheduler.window_cap, scheduler.batch_paused_steps), (1, 8))
+
+  def test_drafting_that_could_never_pay_pauses_long_at_once(self):
+    policy = AdaptiveDrafting(window=1, probe_steps=2, hopeless_pause=100)
+    scheduler = SlotScheduler(engine(True), adaptive=policy)
+    scheduler.costs = collections.defaultdict(DraftingCost)
+    cost = scheduler.cost
+    for _ in range(3):
+      cost.observe_step(False, 1.0)
+      cost.observe_step(True, 1.9)
+    cost.observe_draft(0)
+    scheduler._price_drafting(True)     # (1 + 0) x 1 s / 1.9 s, but 2 tokens would pay
+    self.assertEqual((scheduler.batch_paused_steps, scheduler.verdict.backoff), (8, 2))
+    scheduler.batch_paused_steps = 0
+    for _ in range(5):
+      cost.observe_step(True, 2.5)      # median 2.5 s: even (1 + 1) x 1 s / 2.5 s loses
+    scheduler._price_drafting(True)
+    self.assertEqual((scheduler.batch_paused_steps, scheduler.verdict.backoff),
+                     (100, policy.max_backoff))
+    for _ in range(10):
+      scheduler._price_drafting(False)
+    self.assertEqual(scheduler.batch_paused_steps, 90)
+
+  def test_prices_and_verdicts_are_kept_per_slot_bucket(self):
+    scheduler = SlotScheduler(engine(True, slots=4), adaptive=AdaptiveDrafting())
+    scheduler.costs = collections.defaultdict(DraftingCost)
+    scheduler.bucket = 4
+    scheduler.batch_paused_steps = 7
+    scheduler.bucket = 1
+    self.assertEqual(scheduler.batch_paused_steps, 0)
+    self.assertIsNot(scheduler.cost, scheduler.costs[4])
+    self.assertEqual(scheduler.costs[4].verdict.paused_steps, 7)
 
 
 class SlowStepEngine:

@@ -26,7 +26,10 @@ class AdaptiveDrafting:
   paused does the batch take a plain step.
   Per batch (`cost_aware`): drafting pays when (1 + accepted drafts) tokens per drafting step
   beat one token per plain step in wall time, the plain steps of a pause being charged the
-  catch-up passes that resuming after them runs. With a multi-token window the same verdict
+  catch-up passes that resuming after them runs. Prices and verdicts are kept per slot
+  bucket (the live slots a step computes, rounded up to a power of two): a step's cost
+  follows its slots, so drafting may pay at batch 1 and not at 8 on the same engine. With a
+  multi-token window the same verdict
   chooses the window: a depth that does not pay lowers the batch's cap on every slot's window
   by one (repriced at the new depth) before drafting pauses at the minimum, and a depth that
   pays raises the cap again unless the deeper one was last measured to pay less. The scheduler
@@ -34,8 +37,11 @@ class AdaptiveDrafting:
   and the verdict, `BatchVerdict`, carry over to later schedulers of the same engine); when
   drafting does not pay, every slot pauses the same way, for `cooldown` steps doubling up to
   `max_backoff` times while it keeps not paying, and after such a pause `probe_steps` drafting
-  steps (not a whole `window`) re-price it. A step in which no slot
-  drafts costs what a step with MTP off costs (no MTP block, see `Engine.step`).
+  steps (not a whole `window`) re-price it. When drafting could not pay even with every
+  draft accepted (a compute-bound device at a large batch), no acceptance can change the
+  verdict, only the prices (a change of load, rarely): the pause is `hopeless_pause` steps at
+  once, the probes and catch-up after it a small share of them. A step in which
+  no slot drafts costs what a step with MTP off costs (no MTP block, see `Engine.step`).
   """
   window: int = 8
   min_accept_rate: float = 0.3
@@ -43,6 +49,7 @@ class AdaptiveDrafting:
   cost_aware: bool = True
   max_backoff: int = 16
   probe_steps: int = 4          # plain steps sampled to price a step without drafting
+  hopeless_pause: int = 1024
 
   MODES = ("cost", "accept_rate", "off")
 
@@ -72,6 +79,7 @@ class BatchVerdict:
   backoff: int = 1                # the next pause is cooldown x backoff steps
   window_cap: int | None = None   # the cap on every slot's window (None: the window's max)
   cap_gain: dict = dataclasses.field(default_factory=dict)   # last gain measured per cap
+  drafting_steps: int = 0         # drafting steps since the last verdict
 
 
 class DraftingCost:
@@ -88,14 +96,15 @@ class DraftingCost:
     self.verdict = BatchVerdict()
 
   @classmethod
-  def of(cls, engine) -> "DraftingCost":
-    """The prices observed on `engine` so far: step costs belong to the engine, so a new
-    scheduler (one per `generate` call) does not pay for probing plain steps again, nor for
-    drafting through a pause its predecessor decided on."""
-    cost = _ENGINE_COSTS.get(engine)
-    if cost is None:
-      cost = _ENGINE_COSTS[engine] = cls()
-    return cost
+  def table(cls, engine) -> "collections.defaultdict[int, DraftingCost]":
+    """The prices observed on `engine` so far, per slot bucket: step costs belong to the engine
+    and the slots a step computes, so a new scheduler (one per `generate` call) does not pay
+    for probing plain steps again, nor for drafting through a pause its predecessor decided
+    on."""
+    table = _ENGINE_COSTS.get(engine)
+    if table is None:
+      table = _ENGINE_COSTS[engine] = collections.defaultdict(cls)
+    return table
 
   def observe_step(self, drafting: bool, seconds: float, caught_up_rows: int = 0) -> None:
     """A drafting step that first caught up `caught_up_rows` paused rows prices a catch-up
@@ -103,7 +112,7 @@ class DraftingCost:
     if not (drafting and caught_up_rows):
       self.seconds[drafting].append(seconds)
     elif len(self.seconds[True]) >= 2:
-      extra = seconds - self._price(True)
+      extra = seconds - self.price(True)
       self.catch_up_pass.append(max(extra, 0.0) / -(-caught_up_rows // CATCH_UP_ROWS))
 
   def observe_draft(self, accepted: int) -> None:
@@ -119,24 +128,28 @@ class DraftingCost:
     """Both kinds of steps have at least `steps` timings."""
     return min(len(self.seconds[True]), len(self.seconds[False])) >= steps
 
-  def _price(self, drafting: bool) -> float:
+  def price(self, drafting: bool) -> float:
     """The median of recent steps of one kind without the slowest (a compile, a hiccup).
 
     Plain Python: these run on the host between steps, where numpy's per-call overhead on a
     16-element deque costs more than the arithmetic."""
     return statistics.median(sorted(self.seconds[drafting])[:-1])
 
-  def drafting_gain(self, pause_steps: int) -> float:
+  def drafting_gain(self, pause_steps: int, accepted: float | None = None) -> float:
     """Tokens per second with drafting over without (both must be priced), over a pause of
-    `pause_steps` plain steps and the catch-up passes that resuming after them runs."""
-    rate = sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
+    `pause_steps` plain steps and the catch-up passes that resuming after them runs, at the
+    recent accept rate or `accepted` drafts per step."""
+    rate = accepted
+    if rate is None:
+      rate = sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
     passes = -(-pause_steps // CATCH_UP_ROWS)
     catch_up = passes * statistics.median(self.catch_up_pass) if self.catch_up_pass else 0.0
-    paused = self._price(False) + catch_up / pause_steps
-    return (1.0 + rate) * paused / self._price(True)
+    paused = self.price(False) + catch_up / pause_steps
+    return (1.0 + rate) * paused / self.price(True)
 
   def drafting_pays(self, pause_steps: int) -> bool:
     return self.drafting_gain(pause_steps) >= 1.0
 
 
-_ENGINE_COSTS: "weakref.WeakKeyDictionary[object, DraftingCost]" = weakref.WeakKeyDictionary()
+_ENGINE_COSTS: "weakref.WeakKeyDictionary[object, collections.defaultdict]" = (
+    weakref.WeakKeyDictionary())

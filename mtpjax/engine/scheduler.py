@@ -23,7 +23,8 @@ import numpy as np
 from mtpjax import errors
 from mtpjax.draft_window import DraftWindow
 from mtpjax.engine.composite import CompositeDraft, NgramDrafter
-from mtpjax.engine.contract import ACCEPTED, COUNT, DecodeEngine, committed_tokens, mtp_chain
+from mtpjax.engine.contract import (ACCEPTED, COUNT, DecodeEngine, committed_tokens, mtp_chain,
+                                   slot_buckets)
 from mtpjax.engine.drafting_policy import AdaptiveDrafting, DraftingCost
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.telemetry import MtpStats
@@ -147,9 +148,10 @@ class SlotScheduler:
           f"(draft_tokens {top})", field="engine.draft_tokens",
           remedy="build the engine with draft_tokens = the window's max")
     self.window_in_use = 0.0            # the last step's mean draft window over live slots
-    self.cost = DraftingCost.of(engine)
-    self.verdict = self.cost.verdict    # the cost policy's, carried over with the prices
-    self._drafting_steps = 0        # drafting steps since the last cost verdict
+    # The cost policy's prices and verdicts per slot bucket, carried over with the engine.
+    self.costs = DraftingCost.table(engine)
+    self._buckets = slot_buckets(engine.engine_cfg.slots)
+    self.bucket = self._buckets[-1]     # the slot bucket of the step being decided
     self._plain_steps = 0           # plain steps since the last drafting step (rows to catch up)
     self.state = engine.init_state()
     self.slots: list[_Live | None] = [None] * engine.engine_cfg.slots
@@ -160,6 +162,16 @@ class SlotScheduler:
   @property
   def native_mtp(self) -> bool:
     return self.engine.engine_cfg.native_mtp
+
+  @property
+  def cost(self) -> DraftingCost:
+    """The prices of steps over this step's slot bucket."""
+    return self.costs[self.bucket]
+
+  @property
+  def verdict(self):
+    """The cost policy's standing decision for this step's slot bucket."""
+    return self.cost.verdict
 
   @property
   def cost_aware(self) -> bool:
@@ -316,6 +328,8 @@ class SlotScheduler:
       return
     self.occupancy_samples.append(sum(occupied) / len(occupied))
     active = np.array(occupied)
+    highest = len(occupied) - occupied[::-1].index(True)
+    self.bucket = next(b for b in self._buckets if b >= highest)
     # One drafting slot makes this a drafting step, and then every live slot's draft is free.
     drafted = self.native_mtp and any(s is not None and self._drafts(s) for s in self.slots)
     started = time.perf_counter()
@@ -399,28 +413,32 @@ class SlotScheduler:
     policy = self.adaptive
     if not self.cost_aware:
       return
+    cost, verdict = self.cost, self.verdict
     if not drafted:
-      self.batch_paused_steps = max(0, self.batch_paused_steps - 1)
+      verdict.paused_steps = max(0, verdict.paused_steps - 1)
       return
-    self._drafting_steps += 1
+    verdict.drafting_steps += 1
     # Resuming after a pause for not paying, `probe_steps` drafting steps re-price drafting
     # (the rest of the prices are recent): a full window each time would cost more than the
     # pause saves where drafting keeps not paying.
-    if self._drafting_steps < (policy.window if self.verdict.backoff == 1 else
-                               min(policy.probe_steps, policy.window)):
+    if verdict.drafting_steps < (policy.window if verdict.backoff == 1 else
+                                 min(policy.probe_steps, policy.window)):
       return
-    self._drafting_steps = 0
-    if not self.cost.priced(policy.probe_steps):
-      self.batch_paused_steps = policy.probe_steps
+    verdict.drafting_steps = 0
+    if not cost.priced(policy.probe_steps):
+      verdict.paused_steps = policy.probe_steps
       return
-    cap, verdict = self.window_cap, self.verdict
-    gain = verdict.cap_gain[cap] = self.cost.drafting_gain(policy.pause(verdict.backoff)[0])
+    cap = self.window_cap
+    pause = policy.pause(verdict.backoff)[0]
+    gain = verdict.cap_gain[cap] = cost.drafting_gain(pause)
     if gain >= 1.0:
       verdict.backoff = 1
       if cap < self.window.max and verdict.cap_gain.get(cap + 1, gain + 1.0) > gain:
         self._set_window_cap(cap + 1)
     elif cap > self.window.min:
       self._set_window_cap(cap - 1)
+    elif cost.drafting_gain(policy.hopeless_pause, accepted=cap) < 1.0:
+      verdict.paused_steps, verdict.backoff = policy.hopeless_pause, policy.max_backoff
     else:
       verdict.paused_steps, verdict.backoff = policy.pause(verdict.backoff)
 
