@@ -59,10 +59,15 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
 
   config.engine = ml_collections.ConfigDict()
   config.engine.slots = 4
-  # The context length (prompt + generated tokens). Attention reads only the cache blocks a
-  # sequence holds, so a step costs what it holds; the cache holds slots x max_len rows
-  # (README, "Context length and memory").
+  # The context length (prompt + generated tokens). Attention reads only the cache pages a
+  # sequence holds, so a step costs what it holds (README, "Context length and memory").
   config.engine.max_len = 8192
+  # Trunk KV cache pages: rows per page (a power of two dividing the smallest prefill bucket)
+  # and pages per layer's pool, shared by all slots; 0 is enough for every slot at max_len.
+  # A smaller pool makes requests wait for pages (never fail) and refuses, up front, a
+  # request whose prompt + max_tokens could never fit.
+  config.engine.kv_page = 16
+  config.engine.kv_pages = 0
   # Prompt prefixes (whole pages of the largest bucket) kept for reuse by later prompts that
   # start the same way, least recently used first out; 0 turns prefix caching off.
   config.engine.prefix_cache = 8

@@ -84,3 +84,7 @@ class MeshConfigError(MtpjaxError):
 class ContextLengthError(MtpjaxError):
   """A request does not fit the engine's context length (`engine.max_len`); the server answers
   it 400 with code `context_length_exceeded`."""
+
+
+class KvPagesError(MtpjaxError):
+  """The KV page pool (`engine.kv_pages`) is too small for a request, or for the engine."""

@@ -30,7 +30,8 @@ class BlockwiseAttentionTest(parameterized.TestCase):
     v = rng.normal(size=(b, t, hkv, vd)).astype(np.float32)
     starts = np.array([start, max(start - 40, 0)])
     positions = (starts[:, None] + np.arange(t)[None]).astype(np.int32)
-    out, (k_new, v_new) = jax.jit(kv_cache.attention)((k_cache, v_cache), q, k, v, positions)
+    out, (k_new, v_new) = jax.jit(kv_cache.attention)((k_cache, v_cache), q, k, v,
+                                                   kv_cache.AttentionMetadata(positions))
     keys, values = k_cache.copy(), v_cache.copy()
     for s in range(b):
       keys[s, :, starts[s]:starts[s] + t] = k[s].transpose(1, 0, 2)
@@ -56,7 +57,7 @@ class BlockwiseAttentionTest(parameterized.TestCase):
     positions = np.array([[400, 401]], np.int32)
     selected = rng.random((b, t, LENGTH)) < 0.3
     out, _ = jax.jit(kv_cache.latent_attention, static_argnums=5)(
-        cache, row, q_lat, q_pe, positions, 0.5, selected)
+        cache, row, q_lat, q_pe, kv_cache.AttentionMetadata(positions), 0.5, selected)
     rows = cache[0, :, 0].copy()
     rows[400:402] = row[0, :, 0]
     for i in range(t):

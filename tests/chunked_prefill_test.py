@@ -37,10 +37,10 @@ def _write_model(kind: str, tmp: str) -> str:
   return str(FIXTURES / "glm4moelite-tiny" / "glm4moelite_h64-F32.gguf")   # deepseek2 MLA
 
 
-def check_prefix(test, model, engine, prompt):
+def check_prefix(test, model, engine, prompt, state):
   """The prefix's last hidden gives the full forward's logits, and its draft is the
   from-scratch MTP pass's argmax at the first sampled token's row."""
-  prefix = engine.prefill(prompt, SamplerParams())
+  prefix = engine.prefill(prompt, SamplerParams(), state=state)
   graphdef, params = model.weights(with_mtp=True)
   head = nnx.merge(graphdef, params)
   logits = np.asarray(head.lm_logits(prefix.head.slots.h_prev))[0]
@@ -48,6 +48,13 @@ def check_prefix(test, model, engine, prompt):
   first = int(prefix.current[0])
   mtp_logits = model.mtp_logits(np.append(prompt, first))
   test.assertEqual(int(prefix.head.slots.draft[0, 0]), int(np.argmax(mtp_logits[-1])))
+
+
+def cached_tokens(engine, state, prompt) -> int:
+  """Prompt tokens a prefill of `prompt` would take from `state`'s prefix cache."""
+  job = engine.start_prefill(prompt, SamplerParams(), state=state)
+  engine.drop_prefill(job)
+  return job.cached
 
 
 class ChunkPlanTest(absltest.TestCase):
@@ -85,7 +92,7 @@ class ChunkedPrefillTest(parameterized.TestCase):
         outputs[mtp] = [r.tokens for r in SlotScheduler(engine, adaptive=None).run(requests)]
         self.assertEqual(engine.trace_counts["prefill"], 1)   # one bucket, every chunk
         if mtp:
-          check_prefix(self, model, engine, prompts[0])
+          check_prefix(self, model, engine, prompts[0], engine.init_state())
       self.assertEqual(outputs[True], outputs[False], "MTP on and off differ (greedy, sampled)")
       tokens = outputs[False][0]
       sequence = np.concatenate([prompts[0], tokens[:-1]])
@@ -109,16 +116,16 @@ class PrefixCacheTest(absltest.TestCase):
     second = np.concatenate([first[:40], rng.integers(0, 500, size=10).astype(np.int32)])
     engine = model.engine(native_mtp=True, slots=1, max_len=MAX_LEN, prefill_buckets=BUCKETS,
                           prefix_cache=2)
-    self.assertEqual(engine.start_prefill(second, SamplerParams()).cached, 0)
     scheduler = SlotScheduler(engine, adaptive=None)
+    self.assertEqual(cached_tokens(engine, scheduler.state, second), 0)
     scheduler.run([Request(prompt=first, max_new_tokens=2)])
-    self.assertEqual(engine.start_prefill(second, SamplerParams()).cached, 32)
+    self.assertEqual(cached_tokens(engine, scheduler.state, second), 32)
     tokens = scheduler.run([Request(prompt=second, max_new_tokens=NEW_TOKENS)])[0].tokens
     sequence = np.concatenate([second, tokens[:-1]])
     reference = np.argmax(model.logits(sequence), axis=-1)[len(second) - 1:]
     self.assertEqual(tokens, reference.tolist())
-    self.assertEqual(engine.start_prefill(second, SamplerParams()).cached, 48)
-    check_prefix(self, model, engine, second)      # from the 48 cached tokens on
+    self.assertEqual(cached_tokens(engine, scheduler.state, second), 48)
+    check_prefix(self, model, engine, second, scheduler.state)   # from the 48 cached tokens on
 
 
 class InterleavingTest(absltest.TestCase):

@@ -75,10 +75,22 @@ def scratch_mtp_rows(graphdef, params, tokens, prev):
   return model.mtp_logits(z), y
 
 
+def slot_caches(state, stage: int = 0) -> list:
+  """A stage's page pools read through the page tables as per-slot caches, k [slots, Hkv, S,
+  hd] and v [slots, Hkv, vd, S] (rows past a slot's pages read as some page's: stale)."""
+  pages = np.minimum(state.pages.table, state.pages.pages - 1)
+  seq = lambda pool, axes: np.asarray(pool)[pages].transpose(axes)
+  caches = []
+  for k, v in state.kv[stage]:
+    k, v = seq(k, (0, 2, 1, 3, 4)), seq(v, (0, 2, 3, 1, 4))
+    caches.append((k.reshape(k.shape[:2] + (-1, k.shape[-1])), v.reshape(v.shape[:3] + (-1,))))
+  return caches
+
+
 def view(state):
-  """(slots, trunk caches, MTP cache) of a one-stage, one-group engine state."""
+  """(slots, trunk caches per slot, MTP cache) of a one-stage, one-group engine state."""
   group = state.groups[0]
-  return group.head.slots, group.kv[0], group.head.mtp_kv
+  return group.head.slots, slot_caches(state), group.head.mtp_kv
 
 
 class FixtureTest(parameterized.TestCase):
@@ -305,7 +317,7 @@ class MtpEngineTest(parameterized.TestCase):
     state = engine.init_state()
     emitted = [[], []]
     for slot, prompt in enumerate(self.prompts):
-      prefix = engine.prefill(prompt, SamplerParams())
+      prefix = engine.prefill(prompt, SamplerParams(), state=state)
       state = engine.insert(prefix, state, slot)
       emitted[slot].append(int(prefix.current[0]))
     return state, emitted
@@ -396,7 +408,7 @@ class MtpEngineTest(parameterized.TestCase):
 
   def test_prefill_state_matches_scratch(self):
     state = self.on.init_state()
-    prefix = self.on.prefill(self.prompts[1], SamplerParams())
+    prefix = self.on.prefill(self.prompts[1], SamplerParams(), state=state)
     state = self.on.insert(prefix, state, 1)
     committed = list(self.prompts[1]) + [self.reference[1][0]]
     self.check_state_against_scratch(state, 1, committed)
@@ -432,7 +444,7 @@ class MtpEngineTest(parameterized.TestCase):
     engine = self.on
     warm_up(engine)
     state = engine.init_state()
-    prefix = engine.prefill(self.prompts[0], SamplerParams())
+    prefix = engine.prefill(self.prompts[0], SamplerParams(), state=state)
     state = engine.insert(prefix, state, 0)
     emitted = [int(prefix.current[0])]
     active = np.array([True, False])
@@ -457,32 +469,33 @@ class MtpEngineTest(parameterized.TestCase):
     or plain step (see `layers.write_head_rows`)."""
     engine = self.model.engine(native_mtp=native_mtp, slots=slots, max_len=self.MAX_LEN,
                                prefill_buckets=(16,))
-    group = engine.init_state().groups[0]
+    state = engine.init_state()
+    group = state.groups[0]
     active = np.ones(1, bool)
     fns = engine._draft_steps[1] if step == "verify_draft" else engine._steps[step]
-    hlo = fns[0].lower(engine._leaves[0], None, group.kv[0], group.head, active,
-                                       active.astype(np.int32) if native_mtp else None,
-                                       None, np.bool_(False)
-                                       ).compile().as_text()
+    hlo = fns[0].lower(engine._leaves[0], None, state.kv[0], state.pages.table[:1], group.head,
+                       active, active.astype(np.int32) if native_mtp else None,
+                       None, np.bool_(False)).compile().as_text()
     copied = {tuple(int(d) for d in dims.split(",") if d)
               for dims in re.findall(r"= \w+\[([\d,]*)\]\S* copy\(", hlo)}
-    caches = jax.tree.leaves((group.kv, group.head.mtp_kv))
+    caches = jax.tree.leaves((state.kv, group.head.mtp_kv))
     self.assertFalse(copied & {tuple(c.shape) for c in caches}, f"cache copies in {step}")
 
   def test_donation_deletes_the_input_state(self):
     engine = self.on
     state = engine.init_state()
     group = state.groups[0]
-    prefix = engine.prefill(self.prompts[0], SamplerParams())
-    before_insert = group.kv[0][0][0]
+    before_prefill, before_insert = state.kv[0][0][0], group.head.slots.pos
+    prefix = engine.prefill(self.prompts[0], SamplerParams(), state=state)
+    self.assertTrue(before_prefill.is_deleted())       # prefilled into the pool in place
     state = engine.insert(prefix, state, 0)
     self.assertTrue(before_insert.is_deleted())
-    self.assertFalse(prefix.kv[0][0][0].is_deleted())   # the prefix is read, not donated
-    trunk, mtp = group.kv[0][-1][1], group.head.mtp_kv[0]
+    self.assertFalse(prefix.head.slots.pos.is_deleted())   # the prefix is read, not donated
+    trunk, mtp = state.kv[0][-1][1], group.head.mtp_kv[0]
     state, _, _ = engine.step(state, np.array([True, False]))
     self.assertTrue(trunk.is_deleted())
     self.assertTrue(mtp.is_deleted())
-    self.assertFalse(group.kv[0][-1][1].is_deleted())
+    self.assertFalse(state.kv[0][-1][1].is_deleted())
 
 
 if __name__ == "__main__":

@@ -86,7 +86,8 @@ class LogprobsTest(parameterized.TestCase):
                                logprobs=MAX_TOP_LOGPROBS)
     state = engine.init_state()
     for asked in (False, True):
-      prefix = engine.prefill(self.prompt, SamplerParams(), logprobs=asked)
+      state = engine.free(state, 0)
+      prefix = engine.prefill(self.prompt, SamplerParams(), state=state, logprobs=asked)
       state = engine.insert(prefix, state, 0)
       state, _, info = engine.step(state, np.array([True, False]), logprobs=asked)
       self.assertEqual(prefix.logprobs is not None, asked)

@@ -133,7 +133,8 @@ class _PipelineCase:
     for engine in engines:
       state = engine.init_state()
       for slot, prompt in enumerate((PROMPT, PROMPT[2:])):
-        state = engine.insert(engine.prefill(np.asarray(prompt), SamplerParams()), state, slot)
+        state = engine.insert(engine.prefill(np.asarray(prompt), SamplerParams(), state=state),
+                              state, slot)
       states.append(state)
     active = np.ones(2, bool)
     pause = CATCH_UP_ROWS + 4            # two catch-up passes before drafting resumes
@@ -207,7 +208,7 @@ class TwoStagesTest(_PipelineCase, absltest.TestCase):
     state = engine.init_state()
     for drafting in (True, False):
       head = state.groups[0].head
-      before = jax.tree.leaves([state.groups[0].kv, head.mtp_kv, head.history_hidden])
+      before = jax.tree.leaves([state.kv, head.mtp_kv, head.history_hidden])
       state, _, _ = engine.step(state, np.zeros(4, bool), np.full(4, drafting))
       self.assertTrue(all(leaf.is_deleted() for leaf in before), f"drafting {drafting}")
 

@@ -384,14 +384,18 @@ class SlowStepEngine:
   def init_state(self):
     return self.engine.init_state()
 
-  def prefill(self, prompt, sampler, *, logprobs=False):
-    return self.engine.prefill(prompt, sampler, logprobs=logprobs)
+  def prefill(self, prompt, sampler, *, state, logprobs=False):
+    return self.engine.prefill(prompt, sampler, state=state, logprobs=logprobs)
 
-  def start_prefill(self, prompt, sampler, *, logprobs=False):
-    return self.engine.start_prefill(prompt, sampler, logprobs=logprobs)
+  def start_prefill(self, prompt, sampler, *, state, logprobs=False, new_tokens=None):
+    return self.engine.start_prefill(prompt, sampler, state=state, logprobs=logprobs,
+                                     new_tokens=new_tokens)
 
   def prefill_chunk(self, job):
     return self.engine.prefill_chunk(job)
+
+  def drop_prefill(self, job):
+    return self.engine.drop_prefill(job)
 
   def insert(self, prefix, state, slot):
     return self.engine.insert(prefix, state, slot)

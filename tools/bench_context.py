@@ -128,13 +128,15 @@ def measure_steps() -> dict:
   active = np.ones(1, bool)
   out = {"mode": "steps", "max_len": engine_cfg.max_len, "held": held}
   state = engines["blockwise"].init_state()
-  out["cache_bytes_per_slot"] = sum(a.nbytes for a in jax.tree.leaves(state.groups[0].kv))
+  out["cache_bytes_per_slot"] = sum(a.nbytes for a in jax.tree.leaves(state.kv))
   for name, engine in engines.items():
     out[f"{name}_step_ms"] = []
   for tokens in held:
     for name, engine in list(engines.items()) * 2:
-      state = engine.insert(engine.prefill(np.arange(8, dtype=np.int32), SamplerParams()),
-                            engine.init_state(), 0)
+      state = engine.init_state()
+      state = engine.insert(engine.prefill(np.arange(8, dtype=np.int32), SamplerParams(),
+                                           state=state), state, 0)
+      state.positions[0] = tokens          # the pages of a slot holding `tokens`
       head = state.groups[0].head
       state.groups[0].head = head.replace(slots=head.slots.replace(
           pos=jax.numpy.full_like(head.slots.pos, tokens)))

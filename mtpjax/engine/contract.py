@@ -16,6 +16,7 @@ import numpy as np
 from mtpjax import errors
 from mtpjax.draft_window import MAX_DRAFT_TOKENS
 from mtpjax.engine.sampling import SamplerParams
+from mtpjax.models import kv_cache
 from mtpjax.models.config import ModelConfig
 
 # ResultTokens columns: one int32 [B, 3 + draft_tokens] array per step means one device->host
@@ -60,6 +61,8 @@ class EngineConfig:
   prefix_cache: int = 0                    # cached prompt prefixes kept (0: no prefix caching)
   draft_tokens: int = 1                    # most drafts a step verifies (window max)
   host_drafts: bool = False                # the host proposes drafts (n-gram, alone or after MTP)
+  kv_page: int = 16                        # trunk cache rows per page (a power of two)
+  kv_pages: int = 0                        # pages per layer's pool (0: every slot at max_len)
 
   @classmethod
   def with_default_buckets(cls, *, max_len: int, **kwargs) -> "EngineConfig":
@@ -69,8 +72,40 @@ class EngineConfig:
 
   @property
   def cache_len(self) -> int:
-    """Spare rows hold the verify rows of the last step: the current token and its drafts."""
-    return self.max_len + 1 + self.draft_tokens
+    """Rows a sequence can hold, whole pages: spare rows hold the verify rows of the last step
+    (the current token and its drafts)."""
+    return -(-(self.max_len + 1 + self.draft_tokens) // self.kv_page) * self.kv_page
+
+  @property
+  def max_pages(self) -> int:
+    """Pages of one sequence at full context: the page table's width."""
+    return self.cache_len // self.kv_page
+
+  @property
+  def pool_pages(self) -> int:
+    """Pages in each trunk layer's pool: `kv_pages`, or by default every slot at full context
+    (the memory of per-slot caches)."""
+    return self.kv_pages or self.slots * self.max_pages
+
+  def pages_for(self, rows: int) -> int:
+    """Pages holding a sequence's first `rows` rows (at most a whole table)."""
+    return min(-(-rows // self.kv_page), self.max_pages)
+
+  def request_pages(self, prompt_tokens: int, new_tokens: int) -> int:
+    """Every page a request can reach: its prompt, `new_tokens` more and the deepest window
+    of verify rows its last step writes."""
+    return self.pages_for(prompt_tokens + new_tokens + self.draft_tokens)
+
+  def check_fits(self, prompt_tokens: int, new_tokens: int) -> None:
+    """Refuse a request the whole pool could never hold (`errors.KvPagesError`): it would
+    wait for pages forever."""
+    need = self.request_pages(prompt_tokens, new_tokens)
+    if need > self.pool_pages:
+      raise errors.KvPagesError(
+          f"a request of {prompt_tokens} prompt + {new_tokens} new tokens needs {need} KV "
+          f"pages of {self.kv_page} rows; the pool holds {self.pool_pages}",
+          field="engine.kv_pages",
+          remedy="raise engine.kv_pages, or lower max_new_tokens or the prompt length")
 
   @property
   def window_buckets(self) -> tuple[int, ...]:
@@ -131,6 +166,15 @@ class EngineConfig:
                                default=self.prefill_buckets[0]))
 
   def check_model(self, cfg: ModelConfig) -> None:
+    if not kv_cache.tiles_blocks(self.kv_page):
+      raise errors.MtpjaxError(
+          f"engine.kv_page must be a power of two up to {kv_cache.blockwise.BLOCK}, got "
+          f"{self.kv_page}", field="engine.kv_page",
+          remedy="choose 16, 32, 64 ... (attention reads blocks of whole pages)")
+    if self.page % self.kv_page:
+      raise errors.MtpjaxError(
+          f"a prefill chunk of {self.page} rows is not whole pages of {self.kv_page}",
+          field="engine.kv_page", remedy="choose a kv_page no larger than the smallest bucket")
     if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
       raise errors.SpeculativeConfigError(
           f"draft_tokens must be in 1..{MAX_DRAFT_TOKENS}, got {self.draft_tokens}",
@@ -187,15 +231,20 @@ class DecodeEngine(Protocol):
 
   def init_state(self) -> Any: ...
 
-  def prefill(self, prompt: np.ndarray, sampler: SamplerParams, *,
+  def prefill(self, prompt: np.ndarray, sampler: SamplerParams, *, state: Any,
               logprobs: bool = False) -> Any: ...
 
-  def start_prefill(self, prompt: np.ndarray, sampler: SamplerParams, *,
-                    logprobs: bool = False) -> Any:
-    """A prefill job to run chunk by chunk: `prefill_chunk` until it returns True, then the
-    job's `prefix` is what `prefill` returns."""
+  def start_prefill(self, prompt: np.ndarray, sampler: SamplerParams, *, state: Any,
+                    logprobs: bool = False, new_tokens: int = 1) -> Any:
+    """A prefill job into `state`'s KV pages to run chunk by chunk: `prefill_chunk` until it
+    returns True, then the job's `prefix` is what `prefill` returns. None when the page pool
+    cannot reserve the prompt and `new_tokens` more now (a sequence growing past its
+    reservation takes free pages while there are)."""
 
   def prefill_chunk(self, job: Any) -> bool: ...
+
+  def drop_prefill(self, job: Any) -> None:
+    """Give back a job's pages when it will not be inserted."""
 
   def insert(self, prefix: Any, state: Any, slot: int) -> Any: ...
 
@@ -216,8 +265,9 @@ def warm_up(engine: DecodeEngine) -> None:
   state = engine.init_state()
   for bucket in ec.prefill_buckets:
     if bucket - 1 < ec.max_len and bucket <= ec.cache_len:
-      state = engine.insert(engine.prefill(np.zeros(bucket - 1, np.int32), SamplerParams()),
-                            state, 0)
+      state = engine.free(state, 0)    # its pages back first: a small pool may need them
+      state = engine.insert(engine.prefill(np.zeros(bucket - 1, np.int32), SamplerParams(),
+                                           state=state), state, 0)
   drafts = np.zeros((ec.slots, ec.draft_tokens), np.int32) if ec.host_drafts else None
   for reach in engine.warm_up_schedule():
     if not ec.drafts:

@@ -11,6 +11,10 @@ A step computes only each group's slots up to its highest active one, rounded up
 two (`slots_for`): one compile per slot bucket, all made by `warm_up`. Caches and the head state
 are donated, so they are updated in place. The head side of a step (sampling, verify, draft,
 commit, paused drafting with catch-up) is `steps.py`.
+
+The trunk caches are page pools (`page_pool.py`): a prompt is prefilled straight into its own
+pages (a cached prefix's pages are shared, not copied), `insert` hands them to the slot, and
+before each step every active slot gets the pages for the rows that step may write.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtpjax import errors
 from mtpjax.engine import steps
-from mtpjax.engine.contract import EngineConfig, counted, slot_buckets
+from mtpjax.engine.contract import COUNT, EngineConfig, counted, slot_buckets
+from mtpjax.engine.page_pool import PageList, PagePool
 from mtpjax.engine.plan import group_bounds, selection_like
 from mtpjax.engine.prefix_cache import PrefixCache
 from mtpjax.engine.sampling import SamplerParams
@@ -41,7 +47,7 @@ def _ints(*shape) -> jax.ShapeDtypeStruct:
 
 
 def _insert_fn(prefix, state, slot):
-  """`state` with slot `slot` replaced by the one-slot `prefix` (same tree structure)."""
+  """A head state with slot `slot` replaced by the one-slot `prefix` (same tree structure)."""
   put = lambda dst, src: jax.lax.dynamic_update_index_in_dim(dst, src[0], slot, axis=0)
   return jax.tree.map(put, state, prefix)
 
@@ -62,8 +68,6 @@ class Engine:
     self.dtype = dtype
     self.last = len(self.layouts) - 1
     self.bounds = group_bounds(engine_cfg.slots, len(self.layouts))
-    self.prefix_cache = (PrefixCache(engine_cfg.page, engine_cfg.prefix_cache)
-                         if engine_cfg.prefix_cache else None)
     self._buckets = {hi - lo: slot_buckets(hi - lo) for lo, hi in self.bounds}
     self.slot_buckets = self._buckets[max(self._buckets)]
     self._result_like = [_ints(hi - lo, engine_cfg.result_width)          # ResultTokens per group
@@ -116,15 +120,16 @@ class Engine:
 
   # --- state --------------------------------------------------------------------------------
 
-  def _zero_caches(self, s: int, batch: int) -> list | None:
-    """Stage `s`'s empty trunk caches for `batch` slots, allocated on its devices (a long
-    context's caches never pass through the host); None where another process owns it."""
+  def _zero_pools(self, s: int) -> list | None:
+    """Stage `s`'s empty trunk page pools, allocated on its devices (a long context's caches
+    never pass through the host); None where another process owns it. A pool has the layout
+    of a per-slot cache with pages for slots and a page's rows for the sequence."""
     if not self.hops.local(s):
       return None
-    layout = self.layouts[s]
+    layout, ec = self.layouts[s], self.engine_cfg
     zeros = functools.partial(jnp.zeros, dtype=self.dtype, device=self.hops.shardings[s])
     return [(zeros(k), zeros(v)) for k, v in registry.cache_shapes(
-        self.cfg, layout.layer_end - layout.layer_start, batch, self.engine_cfg.cache_len)]
+        self.cfg, layout.layer_end - layout.layer_start, ec.pool_pages, ec.kv_page)]
 
   def _empty_head(self, batch: int) -> HeadState:
     """An empty head state of `batch` slots on the last stage's devices."""
@@ -134,14 +139,14 @@ class Engine:
         lambda shape, dtype: jnp.zeros(shape, dtype, device=here)), here)
 
   def init_state(self) -> EngineState:
-    groups = []
-    for lo, hi in self.bounds:
-      kv = [self._zero_caches(s, hi - lo) for s in range(len(self.layouts))]
-      head = self._empty_head(hi - lo) if self.hops.local(self.last) else None
-      groups.append(Group(kv=kv, head=head))
-    lag = ([np.zeros(hi - lo, np.int32) for lo, hi in self.bounds]
-           if self.engine_cfg.native_mtp else None)
-    return EngineState(groups, lag)
+    ec = self.engine_cfg
+    groups = [Group(head=self._empty_head(hi - lo) if self.hops.local(self.last) else None)
+              for lo, hi in self.bounds]
+    pages = PagePool(ec.pool_pages, ec.kv_page, ec.max_pages, ec.slots)
+    prefixes = PrefixCache(ec.page, ec.prefix_cache, pages) if ec.prefix_cache else None
+    lag = [np.zeros(hi - lo, np.int32) for lo, hi in self.bounds] if ec.native_mtp else None
+    return EngineState(groups, [self._zero_pools(s) for s in range(len(self.layouts))], pages,
+                       prefixes, np.zeros(ec.slots, np.int64), lag)
 
   def warm_up_schedule(self) -> list[np.ndarray]:
     """One live slot at k - 1 of a group makes a step over its first k slots."""
@@ -163,14 +168,15 @@ class Engine:
 
   # --- prefill ------------------------------------------------------------------------------
 
-  def _prefill_fn(self, s: int, leaves, inp, start, kv, carry, extra):
+  def _prefill_fn(self, s: int, leaves, inp, start, kv, table, carry, extra):
     """Stage `s` over one chunk of a prompt at positions start... (tokens, or the hop's
-    (x, selection)) on the prompt's caches so far; the last stage also samples and drafts
-    (`extra`), continuing the MTP rows from `carry` (h_{start-1}, the MTP KV)."""
+    (x, selection)) into the prompt's pages (`table` [1, max_pages]) of the pools `kv`; the
+    last stage also samples and drafts (`extra`), continuing the MTP rows from `carry`
+    (h_{start-1}, the MTP KV)."""
     model = self._model(s, leaves)
     width = (inp if self.layouts[s].embeddings else inp[0]).shape[1]
     positions = start + jnp.arange(width, dtype=jnp.int32)[None]
-    x, kv, selection = stage_forward(model, inp, positions, kv)
+    x, kv, selection = stage_forward(model, inp, positions, kv, table)
     if not self.layouts[s].output:
       return (x, selection if self._hands_selection(s) else None), kv
     tokens, length, sampler, want = extra
@@ -178,45 +184,68 @@ class Engine:
     return steps.prefill_commit(model, self.engine_cfg, tokens, x, length, sampler, want,
                                 start=start, before=before, mtp_kv=mtp_kv), kv
 
-  def prefill(self, prompt: np.ndarray, sampler: SamplerParams, *,
+  def prefill(self, prompt: np.ndarray, sampler: SamplerParams, *, state: EngineState,
               logprobs: bool = False) -> Prefix:
-    """Run a whole prompt, chunk after chunk (`start_prefill`). `logprobs`: the prefix carries
-    the first token's (needs `engine_cfg.logprobs`)."""
-    job = self.start_prefill(prompt, sampler, logprobs=logprobs)
+    """Run a whole prompt into pages of `state`'s pools, chunk after chunk (`start_prefill`).
+    `logprobs`: the prefix carries the first token's (needs `engine_cfg.logprobs`)."""
+    job = self.start_prefill(prompt, sampler, state=state, logprobs=logprobs)
+    if job is None:
+      raise errors.KvPagesError(
+          f"the KV page pool has no room for a sequence now ({state.pages.available} of "
+          f"{state.pages.pages} pages free)", field="engine.kv_pages",
+          remedy="free a slot first, or raise engine.kv_pages")
     while not self.prefill_chunk(job):
       pass
     return job.prefix
 
-  def start_prefill(self, prompt: np.ndarray, sampler: SamplerParams, *,
-                    logprobs: bool = False) -> PrefillJob:
-    """A prompt's prefill, to run one chunk at a time (`prefill_chunk`) so that a scheduler can
-    step other slots between the chunks of a long prompt. Refuses a prompt that does not fit
-    the context (`errors.ContextLengthError`) before any work. With a prefix cache, the
-    longest cached whole-page prefix is copied in and only the rest is prefilled."""
-    prompt, chunks = self.engine_cfg.prefill_chunks(prompt)
+  def start_prefill(self, prompt: np.ndarray, sampler: SamplerParams, *, state: EngineState,
+                    logprobs: bool = False, new_tokens: int = 1) -> PrefillJob | None:
+    """A prompt's prefill into pages of `state`'s pools, to run one chunk at a time
+    (`prefill_chunk`) so that a scheduler can step other slots between the chunks of a long
+    prompt. Reserves every page the sequence can reach (the prompt, `new_tokens` more and a
+    draft window), or returns None when the pool cannot promise that now; past it, the
+    sequence takes pages while some are free (`page_pool.PagePool.grow`).
+    Refuses a prompt that does not fit the context (`errors.ContextLengthError`) before any
+    work. With a prefix cache, the longest cached whole-page prefix's pages start the
+    sequence and only the rest is prefilled."""
+    ec = self.engine_cfg
+    prompt, chunks = ec.prefill_chunks(prompt)
     job = PrefillJob(prompt=prompt, chunks=chunks, sampler=sampler_arrays(sampler.validate()),
-                     logprobs=logprobs, kv=[], carry=None)
+                     logprobs=logprobs, state=state, pages=PageList(), carry=None)
     entry = None
-    if self.prefix_cache is not None:
-      keys = self.prefix_cache.page_keys(prompt)
-      job.cached, entry = self.prefix_cache.longest(keys)
-      job.save = self.prefix_cache.to_save(keys, job.cached)
-    if entry is not None:   # the job donates its caches: the entry keeps its own
-      job.kv, job.carry = jax.tree.map(jnp.copy, entry)
-      job.chunks = self.engine_cfg.prefill_chunks(prompt, job.cached)[1]
+    if state.prefixes is not None:
+      keys = state.prefixes.page_keys(prompt)
+      job.cached, entry = state.prefixes.longest(keys)
+      job.save = state.prefixes.to_save(keys, job.cached)
+    if entry is not None:
+      state.pages.share(job.pages, entry[0])
+    need = ec.request_pages(prompt.size, new_tokens)
+    if not state.pages.reserve(job.pages, need - len(job.pages.pages)):
+      state.pages.release(job.pages)
+      return None
+    if entry is not None:   # the job donates its carry: the entry keeps its own
+      job.carry = jax.tree.map(jnp.copy, entry[1])
+      job.chunks = ec.prefill_chunks(prompt, job.cached)[1]
       return job
-    job.kv = [self._zero_caches(s, 1) for s in range(len(self.layouts))]
     if self.hops.local(self.last):   # h_{-1} and the NextN cache, not a whole head state
       here = self.hops.shardings[self.last]
       zeros = lambda shape, dtype: jnp.zeros(shape, dtype, device=here)
       job.carry = (zeros((1, self.cfg.hidden), self.dtype),
-                   steps.empty_mtp_kv(self.cfg, self.engine_cfg, 1, self.dtype, zeros))
+                   steps.empty_mtp_kv(self.cfg, ec, 1, self.dtype, zeros))
     return job
+
+  def drop_prefill(self, job: PrefillJob) -> None:
+    """Give back the pages of a prefill that will not be inserted (it failed, or was only
+    looked at)."""
+    job.state.pages.release(job.pages)
 
   def prefill_chunk(self, job: PrefillJob) -> bool:
     """Run the next chunk of `job`; True once the prompt is done and `job.prefix` is set."""
     start, count, bucket = job.chunks.pop(0)
     final = not job.chunks
+    state = job.state
+    state.pages.grow(job.pages, start + count)      # a padded tail past them is dropped
+    table = state.pages.row(job.pages)[None]
     tokens = np.zeros((1, bucket), np.int32)
     tokens[0, :count] = job.prompt[start:start + count]
     extra = (tokens, np.int32(count), job.sampler, self._traced_flag(job.logprobs and final))
@@ -228,8 +257,9 @@ class Engine:
       if not self.hops.local(s):
         continue
       last = s == self.last
-      out, job.kv[s] = self._prefill[s](self._leaves[s], x, np.int32(start), job.kv[s],
-                                        job.carry if last else None, extra if last else None)
+      out, state.kv[s] = self._prefill[s](self._leaves[s], x, np.int32(start), state.kv[s],
+                                          table, job.carry if last else None,
+                                          extra if last else None)
       if last:
         head, rows = out
         job.carry = (head.slots.h_prev, head.mtp_kv)
@@ -237,7 +267,7 @@ class Engine:
         x = out
     if not final:
       if job.save is not None and job.save[0] == start + count:
-        self.prefix_cache.store(job.save[1], jax.tree.map(jnp.copy, (job.kv, job.carry)))
+        state.prefixes.store(job.save[1], job.pages.pages, jax.tree.map(jnp.copy, job.carry))
       return False
     current = self.hops.share(None if head is None else head.slots.current, self.last,
                               like=_ints(1))
@@ -247,7 +277,8 @@ class Engine:
                               like=_ints(1, self.engine_cfg.draft_tokens))
     shared = (self._shared_logprobs([rows] if head is not None else [], [(0, 1)], 1)
               if self._wants(job.logprobs) else None)
-    job.prefix = Prefix(kv=job.kv, head=head, current=current, logprobs=shared, mtp_chain=chain)
+    job.prefix = Prefix(pages=job.pages, length=int(job.prompt.size), head=head,
+                        current=current, logprobs=shared, mtp_chain=chain)
     return True
 
   def _group_of(self, slot: int) -> tuple[int, int]:
@@ -256,24 +287,23 @@ class Engine:
     return g, slot - self.bounds[g][0]
 
   def insert(self, prefix: Prefix, state: EngineState, slot: int) -> EngineState:
+    """Run a prefilled prompt in `slot`: the slot takes its pages (no KV is copied) and its
+    head state."""
     g, local_slot = self._group_of(slot)
     group = state.groups[g]
     local_slot = np.int32(local_slot)
-    for s in range(len(self.layouts)):
-      if not self.hops.local(s):
-        continue
-      if s == self.last:
-        group.kv[s], group.head = self._insert((prefix.kv[s], prefix.head),
-                                               (group.kv[s], group.head), local_slot)
-      else:
-        group.kv[s] = self._insert(prefix.kv[s], group.kv[s], local_slot)
+    state.pages.assign(slot, prefix.pages)
+    state.positions[slot] = prefix.length
+    if self.hops.local(self.last):
+      group.head = self._insert(prefix.head, group.head, local_slot)
     if state.mtp_lag is not None:
       state.mtp_lag[g][local_slot] = 0      # a prefilled prompt's MTP KV is complete
     return state
 
   def free(self, state: EngineState, slot: int) -> EngineState:
-    """Release a finished slot. Its rows need no clearing (admission rewrites them whole); a
-    freed slot owes no catch-up."""
+    """Release a finished slot: its pages go back to the pool (their rows need no clearing:
+    a sequence's rows past its position are masked); a freed slot owes no catch-up."""
+    state.pages.free_slot(slot)
     if state.mtp_lag is not None:
       g, local_slot = self._group_of(slot)
       state.mtp_lag[g][local_slot] = 0
@@ -281,8 +311,8 @@ class Engine:
 
   # --- steps --------------------------------------------------------------------------------
 
-  def _step_fn(self, s: int, leaves, inp, kv, head: HeadState | None, active, drafting, drafts,
-               want, *, kind: str, depth: int = 0):
+  def _step_fn(self, s: int, leaves, inp, kv, table, head: HeadState | None, active, drafting,
+               drafts, want, *, kind: str, depth: int = 0):
     """Stage `s` of one step of `kind` over the first active.shape[0] slots of a group.
 
     `decode` (MTP off) and `plain` (native MTP, no slot drafting) decode one position per
@@ -290,8 +320,9 @@ class Engine:
     `verify_draft` verifies [current, d1 .. d_depth] and drafts the next chain (`drafting`:
     each slot's window); `verify_host` verifies the host's drafts without native MTP;
     `verify` only samples the target's tokens (timing mode, `_draft_fn` commits). `drafts`:
-    the host's drafts [k, draft_tokens] (None: the MTP chain in the head state). The caches
-    stay whole: the model writes and reads only the computed slots' rows.
+    the host's drafts [k, draft_tokens] (None: the MTP chain in the head state). The pools
+    `kv` stay whole: the model writes and reads only the computed slots' pages (`table`
+    [k, max_pages]).
     """
     model = self._model(s, leaves)
     layout = self.layouts[s]
@@ -309,7 +340,7 @@ class Engine:
     else:
       x, positions, selection = inp
       inp = (x, selection)
-    x, kv, selection = stage_forward(model, inp, positions, kv)
+    x, kv, selection = stage_forward(model, inp, positions, kv, table)
     if not layout.output:
       return (x, positions, selection if self._hands_selection(s) else None), kv
     top_n = self.engine_cfg.logprobs
@@ -408,6 +439,8 @@ class Engine:
     if kind == "verify_draft":
       state = self.catch_up(state, active)
     tokens = depth + 1
+    for slot in np.flatnonzero(active):     # pages for every row this step may write
+      state.pages.grow_slot(slot, int(state.positions[slot]) + tokens)
     step_fns = self._draft_steps[depth] if depth else self._steps[kind]
     info: dict = {}
     results, rows = [], []
@@ -417,6 +450,7 @@ class Engine:
       act = live[:k]
       draft_mask = drafting[lo:hi][:k] if ec.drafts else None
       group_drafts = None if drafts is None else drafts[lo:hi][:k]
+      table = state.pages.table[lo:lo + k]
       out = None
       if self.last > 0:   # stage 0 embeds the last stage's tokens
         slots = None if group.head is None else group.head.slots
@@ -431,16 +465,16 @@ class Engine:
         if not self.hops.local(s):
           continue
         if s < self.last:
-          out, group.kv[s] = step_fns[s](self._leaves[s], out, group.kv[s], None, act, None,
-                                         group_drafts if s == 0 else None, want)
+          out, state.kv[s] = step_fns[s](self._leaves[s], out, state.kv[s], table, None, act,
+                                         None, group_drafts if s == 0 else None, want)
           continue
         if kind == "verify_draft" and ec.timing:
           group.head, result, committed = self._timed_last_stage(
-              group, out, act, draft_mask, group_drafts, want, info, depth)
+              state, group, out, table, act, draft_mask, group_drafts, want, info, depth)
         else:
-          (group.head, result, committed), group.kv[s] = step_fns[s](
-              self._leaves[s], out, group.kv[s], group.head, act, draft_mask, group_drafts,
-              want)
+          (group.head, result, committed), state.kv[s] = step_fns[s](
+              self._leaves[s], out, state.kv[s], table, group.head, act, draft_mask,
+              group_drafts, want)
         results.append(result)
         rows.append(committed)
     if kind == "plain":
@@ -450,7 +484,9 @@ class Engine:
               enumerate(zip(self.bounds, self._result_like))]
     if self._wants(logprobs):
       info["logprobs"] = self._shared_logprobs(rows, self.bounds, tokens)
-    return state, np.concatenate([np.asarray(r) for r in shared]), info
+    result = np.concatenate([np.asarray(r) for r in shared])
+    state.positions += np.where(active, result[:, COUNT], 0)
+    return state, result, info
 
   def _wants(self, logprobs: bool) -> bool:
     """Whether a prefill or step returns logprobs: asked for, of an engine that computes them.
@@ -475,13 +511,13 @@ class Engine:
       joined.append(self.hops.share(mine, self.last, like=like))
     return tuple(np.concatenate([np.asarray(g[j]) for g in joined]) for j in range(3))
 
-  def _timed_last_stage(self, group: Group, inp, active, drafting, drafts, want, timings: dict,
-                        depth: int):
+  def _timed_last_stage(self, state: EngineState, group: Group, inp, table, active, drafting,
+                        drafts, want, timings: dict, depth: int):
     """The last stage of a drafting step as two synced jits: verify, then draft and commit."""
     leaves = self._leaves[self.last]
     start = time.perf_counter()
-    (verified, logprobs), group.kv[self.last] = self._verify[depth](
-        leaves, inp, group.kv[self.last], group.head, active, drafting, drafts, want)
+    (verified, logprobs), state.kv[self.last] = self._verify[depth](
+        leaves, inp, state.kv[self.last], table, group.head, active, drafting, drafts, want)
     jax.block_until_ready(verified)
     mid = time.perf_counter()
     head, result = self._draft(leaves, group.head, verified, active, drafting, drafts)

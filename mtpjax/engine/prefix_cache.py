@@ -1,12 +1,15 @@
-"""Prefix caching: a prompt's prefilled state at a page boundary, reused by later prompts that
-start with the same pages (a shared system prompt, the earlier turns of a chat).
+"""Prefix caching: a prompt's prefilled pages at a chunk boundary, shared by later prompts
+that start with the same tokens (a shared system prompt, the earlier turns of a chat).
 
-A page is the largest prefill bucket's worth of tokens, so a cached prefix ends where a chunk
-ends. Each entry is keyed by a hash chain over the prompt's pages (page i's key hashes page i's
-tokens and page i - 1's key), so one key names a whole prefix. An entry holds one slot's trunk
-caches and, on the last stage, the carry into the next chunk (h_{n-1} and the NextN block's
-KV), so native MTP continues from a reused prefix exactly as from its own prefill. Entries are
-evicted least recently used past `capacity`.
+A key page is the largest prefill bucket's worth of tokens, so a cached prefix ends where a
+chunk ends, on a KV page boundary: a sequence that starts with an entry's pages only ever
+writes the pages after them, so they are shared, never copied. Each entry is keyed by a hash
+chain over the prompt's key pages (page i's key hashes page i's tokens and page i - 1's key),
+so one key names a whole prefix. An entry holds a reference on its KV pages (`page_pool.py`)
+and, on the last stage, the carry into the next chunk (h_{n-1} and a copy of the NextN
+block's per-slot cache), so native MTP continues from a reused prefix exactly as from its own
+prefill. Past `capacity` entries, the least recently used goes; the pool reclaims entries no
+sequence uses, least recently used first, when a reservation needs their pages.
 """
 
 from __future__ import annotations
@@ -16,14 +19,18 @@ import hashlib
 
 import numpy as np
 
+from mtpjax.engine.page_pool import PagePool
+
 
 class PrefixCache:
 
-  def __init__(self, page: int, capacity: int):
+  def __init__(self, page: int, capacity: int, pool: PagePool):
     self.page = page
     self.capacity = capacity
-    self._entries: collections.OrderedDict[bytes, object] = collections.OrderedDict()
-
+    self.pool = pool
+    pool.reclaim = self._reclaim
+    self._entries: collections.OrderedDict[bytes, tuple[list[int], object]] = (
+        collections.OrderedDict())
   def page_keys(self, prompt: np.ndarray) -> list[tuple[int, bytes]]:
     """(tokens, key) of each whole-page prefix that leaves at least one token of the prompt
     to prefill (the last chunk samples from the prompt's last token)."""
@@ -33,9 +40,9 @@ class PrefixCache:
       keys.append((end, chain))
     return keys
 
-  def longest(self, keys: list[tuple[int, bytes]]) -> tuple[int, object]:
-    """(tokens, entry) of the longest cached prefix among a prompt's `page_keys`; (0, None)
-    when none is."""
+  def longest(self, keys: list[tuple[int, bytes]]) -> tuple[int, tuple[list[int], object]]:
+    """(tokens, (page ids, carry)) of the longest cached prefix among a prompt's `page_keys`;
+    (0, None) when none is."""
     for end, key in reversed(keys):
       if key in self._entries:
         self._entries.move_to_end(key)
@@ -50,8 +57,20 @@ class PrefixCache:
       return None
     return keys[-1]
 
-  def store(self, key: bytes, entry: object) -> None:
-    self._entries[key] = entry
+  def store(self, key: bytes, pages: list[int], carry: object) -> None:
+    """Keep a prefix: its KV pages (one more reference each) and the carry."""
+    self.pool.retain(pages)
+    self._entries[key] = (list(pages), carry)
     self._entries.move_to_end(key)
     while len(self._entries) > self.capacity:
-      self._entries.popitem(last=False)
+      self.pool.drop(self._entries.popitem(last=False)[1][0])
+
+  def _reclaim(self) -> bool:
+    """Drop the least recently used entry that alone holds one of its pages (dropping one
+    whose pages sequences still use frees nothing); False when there is none."""
+    for key, (pages, _) in self._entries.items():
+      if any(self.pool.refs[p] == 1 for p in pages):
+        del self._entries[key]
+        self.pool.drop(pages)
+        return True
+    return False

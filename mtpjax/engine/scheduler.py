@@ -211,6 +211,7 @@ class SlotScheduler:
     if request.logprobs and not self.engine.engine_cfg.logprobs:
       raise errors.MtpjaxError("this engine computes no logprobs", field="engine.logprobs",
                                remedy="build the engine with logprobs > 0")
+    self.engine.engine_cfg.check_fits(len(request.prompt), request.max_new_tokens)
     self.waiting.append((request, done))
 
   @property
@@ -221,7 +222,9 @@ class SlotScheduler:
   def _admit(self) -> None:
     """Prefill waiting requests into free slots. A prompt of several chunks runs one chunk per
     scheduler step (`interleave_prefill`), so the live slots keep decoding between its chunks;
-    requests behind it wait for it, in order."""
+    requests behind it wait for it, in order. A request whose pages the KV pool cannot
+    reserve now (`engine.start_prefill` returns None) waits at the head of the queue until
+    finished requests give pages back; `submit` refused those that could never fit."""
     if self.prefilling is not None and not self._prefill_more(self.prefilling):
       return
     for index, live in enumerate(self.slots):
@@ -229,6 +232,15 @@ class SlotScheduler:
         continue
       request, done = self.waiting.popleft()
       pending = _Prefilling(index, request, done, time.perf_counter())
+      try:   # nothing of the decode state is touched before the insert: fail this one alone
+        pending.job = self.engine.start_prefill(
+            request.prompt, request.sampler, state=self.state, logprobs=request.logprobs,
+            new_tokens=request.max_new_tokens)
+      except Exception as error:
+        raise RequestFailed(request, error) from error
+      if pending.job is None:
+        self.waiting.appendleft((request, done))
+        return
       if not self._prefill_more(pending):
         self.prefilling = pending
         return
@@ -237,15 +249,13 @@ class SlotScheduler:
     """Run the next chunk of a pending prefill (every chunk without interleaving); once the
     prompt is done, insert it into its slot and emit the first token. True when inserted."""
     request = pending.request
-    try:   # nothing of the decode state is touched before the insert: fail this one alone
-      if pending.job is None:
-        pending.job = self.engine.start_prefill(request.prompt, request.sampler,
-                                                logprobs=request.logprobs)
+    try:   # the pools' other pages are untouched before the insert: fail this one alone
       while not self.engine.prefill_chunk(pending.job):
         if self.interleave_prefill:
           return False
     except Exception as error:
       self.prefilling = None
+      self.engine.drop_prefill(pending.job)
       raise RequestFailed(request, error) from error
     self.prefilling = None
     prefix = pending.job.prefix

@@ -2,8 +2,9 @@
 host-side structure over pipeline stages and slot groups (DECODE.md §3 for the invariant).
 
 Slots are split into groups (microbatches, one per stage in a pipeline, one in all for a single
-stage). Each group holds every stage's trunk caches (None where another process owns the stage)
-and, on the last stage, a `HeadState`: what sampling, verifying and drafting need.
+stage). Each group holds, on the last stage, a `HeadState`: what sampling, verifying and
+drafting need. Every stage's trunk caches are page pools shared by all groups (a stage runs
+its groups one after the other), read through the slots' page tables (`page_pool.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import flax.struct
 import jax
 import numpy as np
 
+from mtpjax.engine.page_pool import PageList, PagePool
+from mtpjax.engine.prefix_cache import PrefixCache
 from mtpjax.engine.sampling import SamplerParams, request_key
 
 # MTP rows one catch-up pass writes per slot; the MTP cache and history keep this many spare rows.
@@ -83,26 +86,31 @@ class HeadState:
 
 @dataclasses.dataclass
 class Group:
-  """One group of slots: trunk caches per stage (None where another process owns the stage)
-  and the head state (None off the last stage's process)."""
-  kv: list
+  """One group of slots: the head state (None off the last stage's process)."""
   head: HeadState | None
 
 
 @dataclasses.dataclass
 class EngineState:
-  """The groups, and (native MTP) the host's copy of each group's `mtp_lag`: every process runs
-  the same schedule, so each one knows how many catch-up passes the last stage needs without
-  reading the lag back from it."""
+  """The groups; each stage's trunk page pools (one cache pair per layer; None where another
+  process owns the stage); the host's page allocator with its page tables, the prefix cache
+  over it and each slot's position (every process runs the same schedule, so each knows what
+  pages a step needs without reading the positions back); and (native MTP) the host's copy of
+  each group's `mtp_lag`, for the catch-up passes the last stage needs."""
   groups: list[Group]
+  kv: list
+  pages: PagePool
+  prefixes: PrefixCache | None
+  positions: np.ndarray                   # [slots] each slot's `pos`
   mtp_lag: list[np.ndarray] | None = None
 
 
 @dataclasses.dataclass
 class Prefix:
-  """A prefilled prompt: one slot's caches per stage and head state; `current` (the first
-  sampled token) is readable on every process."""
-  kv: list
+  """A prefilled prompt: its KV pages and head state; `current` (the first sampled token) is
+  readable on every process."""
+  pages: PageList
+  length: int                          # prompt tokens: the slot's first position
   head: HeadState | None
   current: np.ndarray
   logprobs: tuple | None = None      # the first token's, as a step's (engine_cfg.logprobs)
@@ -111,14 +119,16 @@ class Prefix:
 
 @dataclasses.dataclass
 class PrefillJob:
-  """A prompt being prefilled chunk by chunk (`Engine.start_prefill`): one slot's caches so far
-  per stage, on the last stage the carry into the next chunk (h_{start-1}, the MTP KV), and
-  the (start, tokens, bucket) chunks still to run; `prefix` is set once the last one has run."""
+  """A prompt being prefilled chunk by chunk (`Engine.start_prefill`) straight into its pages
+  of `state`'s pools, on the last stage the carry into the next chunk (h_{start-1}, the MTP
+  KV), and the (start, tokens, bucket) chunks still to run; `prefix` is set once the last one
+  has run."""
   prompt: np.ndarray
   chunks: list[tuple[int, int, int]]
   sampler: tuple
   logprobs: bool
-  kv: list
+  state: EngineState
+  pages: PageList
   carry: tuple | None
   prefix: Prefix | None = None
   save: tuple[int, bytes] | None = None   # (tokens, key) of the prefix to cache on the way

@@ -70,20 +70,22 @@ class Indexer(nnx.Module):
     self.k_norm_bias = zeros_param((di,), jnp.float32)
     self.proj = Linear(cfg.hidden, hi, dtype)
 
-  def __call__(self, x, q_resid, positions, key_cache):
+  def __call__(self, x, q_resid, meta: kv_cache.AttentionMetadata, key_cache):
     """x: attention input [B, T, D]; q_resid: normalised q latent [B, T, q_lora].
 
-    Returns (selection [B, T, S] or None for dense, updated key cache [B, S, 1, d_i]).
+    Returns (selection [B, T, S] or None for dense, updated key cache [B, S, 1, d_i], or its
+    pages: scores over a slot's pages gathered through its table, masked past its position).
     """
     cfg = self.cfg
-    if not cfg.sparse_at(key_cache.shape[1]):
+    positions = meta.positions
+    if not cfg.sparse_at(kv_cache.sequence_length(key_cache, meta)):
       return None, key_cache     # every visible row is kept: exactly dense MLA
     b, t, _ = x.shape
     q = self.wq_b(q_resid).reshape(b, t, cfg.indexer_heads, cfg.indexer_dim)
     q = _rope_front(q, positions, cfg)
     k = layer_norm(self.wk(x), self.k_norm_weight[...], self.k_norm_bias[...], K_NORM_EPS)
     keys, key_cache = kv_cache.append_rows(key_cache, _rope_front(k[:, :, None], positions, cfg),
-                                           positions)
+                                           meta)
     weights = self.proj(x).astype(jnp.float32) * cfg.indexer_heads ** -0.5
     scores = index_scores(q, keys, weights)
     return select_top_rows(scores, positions, cfg.indexer_topk), key_cache

@@ -13,6 +13,7 @@ from flax import nnx
 
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.interface import StageLayout
+from mtpjax.models.kv_cache import AttentionMetadata
 from mtpjax.models.layers import DecoderBlock
 from mtpjax.models import quantized
 from mtpjax.models.primitives import GgufWeight, Linear, RMSNorm
@@ -61,16 +62,19 @@ class GlmModel(nnx.Module):
     return quantized.rows(self.embed, tokens).astype(self.dtype)
 
   def run_layers(self, x: jax.Array, positions: jax.Array, kv: list,
-                 selection: jax.Array | None = None) -> tuple[jax.Array, list, jax.Array | None]:
-    """Run this instance's trunk layers; `kv` holds one cache pair per owned layer.
+                 selection: jax.Array | None = None, page_table: jax.Array | None = None
+                 ) -> tuple[jax.Array, list, jax.Array | None]:
+    """Run this instance's trunk layers; `kv` holds one cache pair per owned layer (page pools
+    read through `page_table`, or per-slot caches without one).
 
     `selection` is the glm-dsa row mask [B, T, S] in force before layer_start (None: dense),
     given to a stage that `takes_selection`; the mask in force after the last layer comes back
     so the next stage can take it, and the pipelined model equals the single-stage one.
     """
     new_kv = []
+    meta = AttentionMetadata(positions, page_table)
     for layer, cache in zip(self.layers, kv):
-      x, cache, selection = layer(x, positions, cache, selection)
+      x, cache, selection = layer(x, meta, cache, selection)
       new_kv.append(cache)
     return x, new_kv, selection
 
@@ -92,12 +96,13 @@ class GlmModel(nnx.Module):
     block's output y before the head norm that a draft chain feeds back, new cache).
 
     `prev_hidden` is the trunk hidden AFTER output_norm (zero for row 0), per MODEL.md §7.
+    The NextN block's cache is per slot ([B, S', ...], not paged).
     """
     mtp = self.mtp
     table = mtp.embed if mtp.embed is not None else self.embed
     e = quantized.rows(table, tokens).astype(self.dtype)
     u = jnp.concatenate([mtp.enorm(e), mtp.hnorm(prev_hidden.astype(self.dtype))], axis=-1)
-    y, mtp_kv, _ = mtp.block(mtp.eh_proj(u), positions, mtp_kv)
+    y, mtp_kv, _ = mtp.block(mtp.eh_proj(u), AttentionMetadata(positions), mtp_kv)
     norm = mtp.head_norm if mtp.head_norm is not None else self.output_norm
     return norm(y), y, mtp_kv
 

@@ -58,8 +58,10 @@ class CausalLM(Protocol):
     """[B, T] ids -> [B, T, D] activations (stages with `layout.embeddings`)."""
 
   def run_layers(self, x: jax.Array, positions: jax.Array, kv: list,
-                 selection: jax.Array | None = None) -> tuple[jax.Array, list, jax.Array | None]:
-    """This stage's trunk layers over x at `positions` [B, T], one cache per owned layer."""
+                 selection: jax.Array | None = None, page_table: jax.Array | None = None
+                 ) -> tuple[jax.Array, list, jax.Array | None]:
+    """This stage's trunk layers over x at `positions` [B, T], one cache per owned layer:
+    page pools read through `page_table` [B, max_pages], or per-slot caches (None)."""
 
   def final_norm(self, x: jax.Array) -> jax.Array:
     """The trunk output after the final norm (stages with `layout.output`)."""
@@ -81,13 +83,15 @@ class CausalLM(Protocol):
     """float32 draft logits of the NextN block's output."""
 
 
-def stage_forward(model: CausalLM, inp, positions: jax.Array, kv: list
+def stage_forward(model: CausalLM, inp, positions: jax.Array, kv: list,
+                  page_table: jax.Array | None = None
                   ) -> tuple[jax.Array, list, jax.Array | None]:
   """One stage's part of a pass: `inp` is token ids on the embedding stage, else the hop's
-  (activations, glm-dsa selection). Returns (activations, post-norm on the output stage; the
-  new caches; the selection in force after the stage)."""
+  (activations, glm-dsa selection); `kv` page pools with `page_table`, or per-slot caches.
+  Returns (activations, post-norm on the output stage; the new caches; the selection in force
+  after the stage)."""
   x, selection = (model.embed_tokens(inp), None) if model.layout.embeddings else inp
-  x, kv, selection = model.run_layers(x, positions, kv, selection)
+  x, kv, selection = model.run_layers(x, positions, kv, selection, page_table)
   return (model.final_norm(x) if model.layout.output else x), kv, selection
 
 

@@ -4,18 +4,36 @@ Every attention module calls one function here per step (`attention` for GQA, `l
 for MLA's latent rows, `append_rows` for other per-token rows such as the glm-dsa indexer keys),
 so a paged layout or a fused kernel is chosen here and nowhere else.
 
-A cache holds one row per position for every slot: [B, ...] with rows on a sequence axis.
-Rows past a slot's position are stale and masked, which is the whole rollback mechanism of
-speculative decoding: a rejected draft's rows are rewritten before anything reads them.
-A step may compute only the first b of the cache's B slots (`live_slots`).
+A cache comes in two layouts of the same arrays, chosen by the step's `AttentionMetadata`:
+- paged (`page_table` set; the engine's trunk caches): a pool of fixed-size pages, [P, ...]
+  with R rows on the sequence axis, and a page table [b, max_pages] per slot, so memory
+  follows the tokens held. Row p of a slot lives at row p % R of page table[p // R]. A
+  table entry of P (past the pool) is a page not allocated: writes there are dropped (a
+  padded prefill tail, a draft row past what the slot holds) and reads, clipped to a real
+  page, are masked by position;
+- per slot (`page_table` None; the NextN block's cache, full-forward references): [B, ...]
+  with rows on a sequence axis; a step may compute only the first b of the B slots.
+The shapes are `gqa_cache_shapes` / `row_cache_shape` for both, pages in place of slots and R
+in place of the length. Rows past a slot's position are stale and masked, which is the whole
+rollback mechanism of speculative decoding: a rejected draft's rows are rewritten before
+anything reads them.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from mtpjax.models import blockwise
+
+
+class AttentionMetadata(NamedTuple):
+  """What every attention call of a step reads besides its cache: the rows' absolute
+  positions [b, T], and the slots' page tables [b, max_pages] (None: per-slot caches)."""
+  positions: jax.Array
+  page_table: jax.Array | None = None
 
 
 def gqa_cache_shapes(batch: int, kv_heads: int, head_dim: int, value_dim: int,
@@ -28,6 +46,12 @@ def row_cache_shape(batch: int, length: int, width: int) -> tuple:
   """One MQA-like row of `width` values per position: [B, S, 1, width] (MLA latents, indexer
   keys; a zero width makes an empty cache for a layer that needs none)."""
   return (batch, length, 1, width)
+
+
+def tiles_blocks(page_rows: int) -> bool:
+  """Whether pages of `page_rows` rows tile `blockwise` blocks (a power of two up to BLOCK),
+  as the paged reads need: every block is whole pages."""
+  return 0 < page_rows <= blockwise.BLOCK and not page_rows & (page_rows - 1)
 
 
 def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array,
@@ -92,12 +116,57 @@ def write_head_rows(cache: jax.Array, rows: jax.Array, start: jax.Array,
   return written.reshape(cache.shape)
 
 
-def append_rows(cache: jax.Array, rows: jax.Array, positions: jax.Array
+def append_rows(cache: jax.Array, rows: jax.Array, meta: AttentionMetadata
                 ) -> tuple[jax.Array, jax.Array]:
-  """Write a row cache's new rows [b, T, 1, width] at `positions` [b, T]; returns (the live
+  """Write a row cache's new rows [b, T, 1, width] at `meta.positions` [b, T]; returns (the live
   slots' rows [b, S, width] to read, the whole updated cache)."""
-  cache = write_rows(cache, rows, positions[:, 0])
-  return live_slots(cache, rows.shape[0])[:, :, 0], cache
+  read, length, cache = _row_reader(cache, rows, meta)
+  return read(0, length), cache
+
+
+def sequence_length(row_cache: jax.Array, meta: AttentionMetadata) -> int:
+  """S, the rows a slot's sequence can hold in a row cache (pages x rows a page, paged)."""
+  if meta.page_table is None:
+    return row_cache.shape[1]
+  return meta.page_table.shape[1] * row_cache.shape[1]
+
+
+def _row_reader(cache: jax.Array, rows: jax.Array, meta: AttentionMetadata):
+  """Write rows [b, T, 1, width] into a row cache; returns (read(first, n) -> float32 rows
+  [b, n, width] of every slot's sequence, the sequence length S, the new cache)."""
+  b = rows.shape[0]
+  if meta.page_table is None:
+    cache = write_rows(cache, rows, meta.positions[:, 0])
+    seq = live_slots(cache, b)[:, :, 0]
+    return (lambda first, n: window_rows(seq, first, n, 1).astype(jnp.float32),
+            seq.shape[1], cache)
+  page_rows = cache.shape[1]
+  pages, offsets = _pages_of(meta, page_rows, cache.shape[0])
+  cache = cache.at[pages, offsets].set(rows.astype(cache.dtype), mode="drop")
+  read = lambda first, n: _gather_pages(cache, meta.page_table, first, n, page_rows).reshape(
+      b, n, cache.shape[-1]).astype(jnp.float32)
+  return read, sequence_length(cache, meta), cache
+
+
+def _pages_of(meta: AttentionMetadata, page_rows: int, pool_pages: int
+              ) -> tuple[jax.Array, jax.Array]:
+  """(page, row in the page) [b, T] of each written row; a row past the table or on a page
+  not allocated gets page P, past the pool, so a `mode="drop"` scatter skips it."""
+  table = meta.page_table
+  index = meta.positions // page_rows
+  pages = jnp.take_along_axis(table, jnp.minimum(index, table.shape[1] - 1), axis=1)
+  return jnp.where(index < table.shape[1], pages, pool_pages), meta.positions % page_rows
+
+
+def _gather_pages(pool: jax.Array, table: jax.Array, first, n: int, page_rows: int
+                  ) -> jax.Array:
+  """The pages holding rows [first, first + n) of every slot, [b, n // R, ...] (R rows a page;
+  `first` and `n` are multiples of R: blocks are whole pages). A page not allocated reads as
+  the pool's last page: its rows lie past the slot's position and are masked."""
+  count = n // page_rows
+  ids = table if count == table.shape[1] else jax.lax.dynamic_slice_in_dim(
+      table, first // page_rows, count, axis=1)
+  return jnp.take(pool, ids, axis=0, mode="clip")
 
 
 def window_rows(cache: jax.Array, first, n: int, axis: int) -> jax.Array:
@@ -109,14 +178,19 @@ def window_rows(cache: jax.Array, first, n: int, axis: int) -> jax.Array:
 
 
 def attention(cache: tuple[jax.Array, jax.Array], q: jax.Array, k: jax.Array, v: jax.Array,
-              positions: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+              meta: AttentionMetadata) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
   """Write the step's keys and values, then attend from `q` to cache rows j <= position (GQA).
 
-  q: [b, T, H, hd]; k: [b, T, Hkv, hd]; v: [b, T, Hkv, vd]; positions: [b, T] absolute.
-  The cache is k [B, Hkv, S, hd] and v [B, Hkv, vd, S]: with these layouts XLA:CPU reads both
-  in place; with any other (e.g. [B, S, Hkv, d] or values [B, Hkv, S, vd]) it transposes, i.e.
-  copies, every layer's whole cache at every step. Returns ([b, T, H, vd], the new cache).
+  q: [b, T, H, hd]; k: [b, T, Hkv, hd]; v: [b, T, Hkv, vd]; `meta.positions` [b, T] absolute.
+  The cache is k [B, Hkv, S, hd] and v [B, Hkv, vd, S] (pages: [P, Hkv, R, hd] and
+  [P, Hkv, vd, R]): with these layouts XLA:CPU reads a per-slot cache in place; with any
+  other (e.g. [B, S, Hkv, d] or values [B, Hkv, S, vd]) it transposes, i.e. copies, every
+  layer's whole cache at every step, and a block of pages gathers into the einsums' order.
+  Returns ([b, T, H, vd], the new cache).
   """
+  if meta.page_table is not None:
+    return _paged_attention(cache, q, k, v, meta)
+  positions = meta.positions
   k_cache, v_cache = cache
   start = positions[:, 0]
   k_cache = write_head_rows(k_cache, k.transpose(0, 2, 1, 3), start, seq_axis=2)
@@ -129,8 +203,7 @@ def attention(cache: tuple[jax.Array, jax.Array], q: jax.Array, k: jax.Array, v:
   rows = lambda cache, first, n, axis: window_rows(cache, first, n, axis).astype(jnp.float32)
   out = blockwise.attend(
       lambda first, n: jnp.einsum("btkgd,bksd->bkgts", q, rows(keys, first, n, 2)),
-      lambda first, n: (first + jnp.arange(n))[None, None, None, None, :]
-      <= positions[:, None, None, :, None],
+      lambda first, n: _causal(first, n, positions),
       # Summed straight into [b, T, k, g, vd]: a transpose after it makes XLA:CPU copy the
       # key cache of a one-slot step.
       lambda first, n, probs: jnp.einsum("bkgts,bkds->btkgd", probs, rows(values, first, n, 3)),
@@ -138,8 +211,41 @@ def attention(cache: tuple[jax.Array, jax.Array], q: jax.Array, k: jax.Array, v:
   return out.reshape(b, t, h, vd).astype(dtype), (k_cache, v_cache)
 
 
+def _causal(first, n: int, positions: jax.Array) -> jax.Array:
+  """Rows [first, first + n) visible to each query, [b, 1, 1, T, n] (GQA's score axes)."""
+  return (first + jnp.arange(n))[None, None, None, None, :] <= positions[:, None, None, :, None]
+
+
+def _paged_attention(cache, q, k, v, meta: AttentionMetadata):
+  """`attention` over page pools: rows are scattered through the table, and each block of
+  rows is its pages gathered, so a step reads the pages up to the highest position."""
+  k_pool, v_pool = cache
+  page_rows, table, positions = k_pool.shape[2], meta.page_table, meta.positions
+  pages, offsets = _pages_of(meta, page_rows, k_pool.shape[0])
+  k_pool = k_pool.at[pages, :, offsets].set(k.astype(k_pool.dtype), mode="drop")
+  v_pool = v_pool.at[pages, :, :, offsets].set(v.astype(v_pool.dtype), mode="drop")
+  b, t, h, hd = q.shape
+  hkv, vd, dtype = k_pool.shape[1], v_pool.shape[2], q.dtype
+  q = q.reshape(b, t, hkv, h // hkv, hd).astype(jnp.float32) / jnp.sqrt(jnp.float32(hd))
+  gather = lambda pool, first, n: _gather_pages(pool, table, first, n, page_rows).astype(
+      jnp.float32)
+
+  def scores(first, n):         # keys [b, n / R, Hkv, R, hd]
+    s = jnp.einsum("btkgd,bnkrd->bkgtnr", q, gather(k_pool, first, n))
+    return s.reshape(s.shape[:4] + (n,))
+
+  def weighted(first, n, probs):   # values [b, n / R, Hkv, vd, R]
+    probs = probs.reshape(probs.shape[:4] + (n // page_rows, page_rows))
+    return jnp.einsum("bkgtnr,bnkdr->btkgd", probs, gather(v_pool, first, n))
+
+  out = blockwise.attend(scores, lambda first, n: _causal(first, n, positions), weighted,
+                         positions, table.shape[1] * page_rows,
+                         align=lambda a: a.transpose(0, 3, 1, 2))
+  return out.reshape(b, t, h, vd).astype(dtype), (k_pool, v_pool)
+
+
 def latent_attention(cache: jax.Array, row: jax.Array, q_lat: jax.Array, q_pe: jax.Array,
-                     positions: jax.Array, scale: float, selected: jax.Array | None = None
+                     meta: AttentionMetadata, scale: float, selected: jax.Array | None = None
                      ) -> tuple[jax.Array, jax.Array]:
   """MLA in the absorbed form: write the step's latent rows, then score and sum over them.
 
@@ -148,10 +254,10 @@ def latent_attention(cache: jax.Array, row: jax.Array, q_lat: jax.Array, q_pe: j
   [b, T, S] (sparse attention) further restricts the causal rows j <= position.
   Returns (the latent output [b, T, H, kv_lora], the new cache).
   """
-  rows, cache = append_rows(cache, row, positions)
+  positions = meta.positions
+  window, length, cache = _row_reader(cache, row, meta)
   kv_lora = q_lat.shape[-1]
   q_lat, q_pe = q_lat.astype(jnp.float32), q_pe.astype(jnp.float32)
-  window = lambda first, n: window_rows(rows, first, n, 1).astype(jnp.float32)
 
   def scores(first, n):
     block = window(first, n)
@@ -167,5 +273,5 @@ def latent_attention(cache: jax.Array, row: jax.Array, q_lat: jax.Array, q_pe: j
   out = blockwise.attend(
       scores, visible,
       lambda first, n, probs: jnp.einsum("bhts,bsc->bthc", probs, window(first, n)[..., :kv_lora]),
-      positions, rows.shape[1], align=lambda a: a.transpose(0, 2, 1))
+      positions, length, align=lambda a: a.transpose(0, 2, 1))
   return out, cache

@@ -36,8 +36,9 @@ class Attention(nnx.Module):
   def cache_shapes(cfg: ModelConfig, batch: int, length: int) -> tuple[tuple, tuple]:
     return kv_cache.gqa_cache_shapes(batch, cfg.n_kv_heads, cfg.head_dim, cfg.value_dim, length)
 
-  def __call__(self, x, positions, cache):
+  def __call__(self, x, meta: kv_cache.AttentionMetadata, cache):
     cfg = self.cfg
+    positions = meta.positions
     b, t, _ = x.shape
     q = self.wq(x).reshape(b, t, cfg.n_heads, cfg.head_dim)
     k = self.wk(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
@@ -46,7 +47,7 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q = rope_neox(q, positions, cfg.rope_dims, cfg.rope_theta)
     k = rope_neox(k, positions, cfg.rope_dims, cfg.rope_theta)
-    out, cache = kv_cache.attention(cache, q, k, v, positions)
+    out, cache = kv_cache.attention(cache, q, k, v, meta)
     return self.wo(out.reshape(b, t, -1)), cache
 
 
@@ -71,12 +72,12 @@ class DecoderBlock(nnx.Module):
     attention = MlaAttention if cfg.is_mla else Attention
     return attention.cache_shapes(cfg, batch, length)
 
-  def __call__(self, x: jax.Array, positions, cache, selection=None):
+  def __call__(self, x: jax.Array, meta: kv_cache.AttentionMetadata, cache, selection=None):
     """Returns (x, cache, selection); selection is the glm-dsa sparse row mask or None."""
     if self.mla:
-      attn_out, cache, selection = self.attn(self.attn_norm(x), positions, cache, selection)
+      attn_out, cache, selection = self.attn(self.attn_norm(x), meta, cache, selection)
     else:
-      attn_out, cache = self.attn(self.attn_norm(x), positions, cache)
+      attn_out, cache = self.attn(self.attn_norm(x), meta, cache)
     x = x + attn_out
     x = x + self.ffn(self.ffn_norm(x))
     return x, cache, selection

@@ -48,13 +48,15 @@ class MlaAttention(nnx.Module):
     # A glm-dsa trunk layer without its own indexer reuses the previous layer's selection.
     self.reuses_selection = cfg.has_indexer and layer < cfg.n_layers and self.indexer is None
 
-  def __call__(self, x, positions, cache, selection=None):
-    """x: [B, T, D]; cache: (latent [B, S, 1, kv_lora+rope], indexer keys [B, S, 1, d_idx|0]).
+  def __call__(self, x, meta: kv_cache.AttentionMetadata, cache, selection=None):
+    """x: [B, T, D]; cache: (latent [B, S, 1, kv_lora+rope], indexer keys [B, S, 1, d_idx|0];
+    pages of R rows in place of S rows per slot with a page table).
 
     Returns (output, new cache, the row selection this layer used or None when dense).
     """
     cfg = self.cfg
     b, t, _ = x.shape
+    positions = meta.positions
     nope = cfg.head_dim - cfg.rope_dims
     if self.wq_a is not None:
       q_resid = self.q_a_norm(self.wq_a(x))
@@ -69,12 +71,12 @@ class MlaAttention(nnx.Module):
     latent_cache, index_cache = cache
     row = jnp.concatenate([c, k_pe], -1)[:, :, None]
     if self.indexer is not None:
-      selection, index_cache = self.indexer(x, q_resid, positions, index_cache)
+      selection, index_cache = self.indexer(x, q_resid, meta, index_cache)
     elif not self.reuses_selection:
       selection = None
     scale = yarn.score_scale(cfg)      # 1/sqrt(head_dim) times the YaRN mscale^2
     out_lat, latent_cache = kv_cache.latent_attention(latent_cache, row, self.wk_b(q_nope), q_pe,
-                                                      positions, scale, selection)
+                                                      meta, scale, selection)
     out = self.wv_b(out_lat).reshape(b, t, cfg.n_heads * cfg.value_dim).astype(x.dtype)
     return self.wo(out), (latent_cache, index_cache), selection
 

@@ -1,0 +1,226 @@
+"""The paged KV cache: the allocator against hand-computed tables, paged attention against the
+per-slot layout, and engines over a pool smaller than slots x max_len against full forwards
+and each request decoded alone (glm4moe, deepseek2 MLA, glm-dsa with index_topk below the
+prompts), with MTP on and off, greedy and sampled, and prefix pages shared."""
+
+import dataclasses
+import tempfile
+
+import jax
+import numpy as np
+from absl.testing import absltest, parameterized
+
+import mtpjax
+from mtpjax import errors
+from mtpjax.engine.page_pool import PageList, PagePool
+from mtpjax.engine.prefix_cache import PrefixCache
+from mtpjax.engine.sampling import SamplerParams
+from mtpjax.engine.scheduler import Request, SlotScheduler
+from mtpjax.models import blockwise, kv_cache
+from chunked_prefill_test import _write_model, check_prefix
+
+MAX_LEN = 80
+BUCKETS = (16,)            # prompts past 15 tokens take several chunks; pages of 16 rows
+POOL = 10                  # pages per pool: 4 slots at full context would take 4 x 6
+NEW_TOKENS = 6
+
+
+class PagePoolTest(absltest.TestCase):
+  """Pages of 4 rows, tables of 3, a pool of 6 pages (ids 0..5; 6 means none)."""
+
+  def test_grow_assign_and_free_give_the_hand_computed_tables(self):
+    pool = PagePool(pages=6, page_rows=4, max_pages=3, slots=2)
+    first, second = PageList(), PageList()
+    self.assertTrue(pool.reserve(first, 3))
+    self.assertEqual((pool.available, pool.free_pages), (3, 6))
+    pool.grow(first, 5)                                 # rows 0..4: two pages
+    np.testing.assert_array_equal(pool.row(first), [0, 1, 6])
+    self.assertEqual((first.reserved, pool.available), (1, 3))
+    self.assertFalse(pool.reserve(second, 4))           # 3 left unpromised
+    self.assertTrue(pool.reserve(second, 3))
+    pool.assign(1, first)
+    pool.grow_slot(1, 12)                               # the third page, from the reservation
+    pool.grow(second, 1)
+    np.testing.assert_array_equal(pool.table, [[6, 6, 6], [0, 1, 2]])
+    np.testing.assert_array_equal(pool.row(second), [3, 6, 6])
+    pool.free_slot(1)
+    np.testing.assert_array_equal(pool.table[1], [6, 6, 6])
+    self.assertEqual((pool.free_pages, pool.available), (5, 3))
+    pool.grow(second, 12)                               # the lowest free pages first
+    np.testing.assert_array_equal(pool.row(second), [3, 0, 1])
+    pool.release(second)
+    self.assertEqual((pool.free_pages, pool.reserved), (6, 0))
+    np.testing.assert_array_equal(pool.refs, 0)
+
+  def test_growth_past_the_pool_is_a_typed_error(self):
+    pool = PagePool(pages=2, page_rows=4, max_pages=3, slots=1)
+    with self.assertRaises(errors.KvPagesError) as caught:
+      pool.grow(PageList(), 12)
+    self.assertEqual(caught.exception.field, "engine.kv_pages")
+
+  def test_prefix_pages_are_shared_and_reclaimed_when_unused(self):
+    pool = PagePool(pages=4, page_rows=4, max_pages=4, slots=1)
+    cache = PrefixCache(page=4, capacity=4, pool=pool)
+    writer = PageList()
+    pool.grow(writer, 8)
+    cache.store(b"prefix", writer.pages, carry=None)
+    np.testing.assert_array_equal(pool.refs, [2, 2, 0, 0])
+    pool.release(writer)
+    reader = PageList()
+    pages, _ = cache.longest([(8, b"prefix")])[1]
+    pool.share(reader, pages)
+    self.assertFalse(pool.reserve(PageList(), 3))       # the entry's pages are in use
+    pool.release(reader)
+    self.assertEqual(pool.free_pages, 2)
+    self.assertTrue(pool.reserve(PageList(), 3))        # now the entry goes
+    self.assertEqual((pool.free_pages, cache.longest([(8, b"prefix")])), (4, (0, None)))
+
+
+class PagedAttentionTest(absltest.TestCase):
+  """Rows written through a shuffled page table and read back in blocks of pages equal the
+  per-slot layout, over more than one block."""
+
+  def test_gqa_and_latent_match_the_per_slot_cache(self):
+    rng = np.random.default_rng(0)
+    b, t, h, hkv, hd, vd, rows = 2, 3, 4, 2, 8, 6, 16
+    length = 2 * blockwise.BLOCK + 64
+    pages = length // rows
+    table = rng.permutation(b * pages + 3)[:b * pages].reshape(b, pages).astype(np.int32)
+    table[1, -5:] = b * pages + 3                       # pages never allocated
+    pool_size = b * pages + 3
+    k_cache = rng.normal(size=(b, hkv, length, hd)).astype(np.float32)
+    v_cache = rng.normal(size=(b, hkv, vd, length)).astype(np.float32)
+    k_pool = np.zeros((pool_size, hkv, rows, hd), np.float32)
+    v_pool = np.zeros((pool_size, hkv, vd, rows), np.float32)
+    for s in range(b):
+      for i, page in enumerate(table[s]):
+        if page < pool_size:
+          k_pool[page] = k_cache[s, :, i * rows:(i + 1) * rows]
+          v_pool[page] = v_cache[s, :, :, i * rows:(i + 1) * rows]
+    q = rng.normal(size=(b, t, h, hd)).astype(np.float32)
+    k = rng.normal(size=(b, t, hkv, hd)).astype(np.float32)
+    v = rng.normal(size=(b, t, hkv, vd)).astype(np.float32)
+    positions = np.array([[700, 701, 702], [600, 601, 602]], np.int32)
+    attend = jax.jit(kv_cache.attention)
+    want, _ = attend((k_cache, v_cache), q, k, v, kv_cache.AttentionMetadata(positions))
+    got, _ = attend((k_pool, v_pool), q, k, v, kv_cache.AttentionMetadata(positions, table))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+    width = 12
+    rows_cache = rng.normal(size=(b, length, 1, width)).astype(np.float32)
+    row_pool = np.zeros((pool_size, rows, 1, width), np.float32)
+    for s in range(b):
+      for i, page in enumerate(table[s]):
+        if page < pool_size:
+          row_pool[page] = rows_cache[s, i * rows:(i + 1) * rows]
+    row = rng.normal(size=(b, t, 1, width)).astype(np.float32)
+    q_lat = rng.normal(size=(b, t, h, 8)).astype(np.float32)
+    q_pe = rng.normal(size=(b, t, h, 4)).astype(np.float32)
+    selected = rng.random((b, t, length)) < 0.5
+    latent = jax.jit(kv_cache.latent_attention, static_argnums=5)
+    want, _ = latent(rows_cache, row, q_lat, q_pe, kv_cache.AttentionMetadata(positions), 0.5,
+                     selected)
+    got, _ = latent(row_pool, row, q_lat, q_pe, kv_cache.AttentionMetadata(positions, table),
+                    0.5, selected)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def _requests(vocab: int, count: int, seed: int) -> list[Request]:
+  """Prompts of 3..45 tokens (up to 3 chunks and 4 pages), every other one sampled."""
+  rng = np.random.default_rng(seed)
+  return [Request(prompt=rng.integers(0, vocab, size=int(n)).astype(np.int32),
+                  max_new_tokens=NEW_TOKENS,
+                  sampler=SamplerParams(temperature=0.8 * (i % 2), seed=i))
+          for i, n in enumerate(rng.integers(3, 46, size=count))]
+
+
+class PagedEngineTest(parameterized.TestCase):
+  """Engines of 4 slots over a pool of 10 pages: many requests wait for pages, all finish."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.models = {}
+    with tempfile.TemporaryDirectory() as tmp:
+      for kind in ("glm4moe", "deepseek2", "glm-dsa"):
+        cls.models[kind] = mtpjax.load(_write_model(kind, tmp))
+
+  def engine(self, kind: str, *, native_mtp: bool = True, **settings):
+    settings = dict(dict(slots=4, max_len=MAX_LEN, prefill_buckets=BUCKETS, kv_pages=POOL,
+                         draft_tokens=2), **settings)
+    return self.models[kind].engine(native_mtp=native_mtp, **settings)
+
+  @parameterized.parameters(("glm4moe", 24), ("deepseek2", 10), ("glm-dsa", 10))
+  def test_many_requests_over_a_small_pool(self, kind, count):
+    model = self.models[kind]
+    engine = self.engine(kind)
+    scheduler = SlotScheduler(engine, adaptive=None)
+    waited = []         # per emission: a request waited for pages while a slot was free
+    requests = [dataclasses.replace(r, on_tokens=lambda _: waited.append(
+        bool(scheduler.waiting) and None in scheduler.slots))
+                for r in _requests(model.config.vocab_size, count, seed=len(kind))]
+    results = scheduler.run(requests)
+    self.assertEqual([len(r.tokens) for r in results], [NEW_TOKENS] * count)   # none failed
+    self.assertTrue(any(waited))
+    pages = scheduler.state.pages
+    self.assertEqual((pages.free_pages, pages.reserved), (POOL, 0))
+    np.testing.assert_array_equal(pages.table, POOL)
+    for request, result in zip(requests, results):
+      alone = SlotScheduler(engine, adaptive=None).run([request])[0]
+      self.assertEqual(result.tokens, alone.tokens)
+      if not request.sampler.temperature:       # greedy: a full forward's tokens
+        sequence = np.concatenate([request.prompt, result.tokens[:-1]])
+        reference = np.argmax(model.logits(sequence), axis=-1)[len(request.prompt) - 1:]
+        self.assertEqual(result.tokens, reference.tolist())
+    long = max(requests, key=lambda r: len(r.prompt)).prompt    # 3 chunks, over 3 pages
+    check_prefix(self, model, engine, long, engine.init_state())
+
+  def test_mtp_off_gives_the_same_tokens(self):
+    requests = _requests(self.models["glm4moe"].config.vocab_size, 8, seed=1)
+    outputs = [[r.tokens for r in SlotScheduler(self.engine("glm4moe", native_mtp=mtp),
+                                                adaptive=None).run(requests)]
+               for mtp in (True, False)]
+    self.assertEqual(outputs[0], outputs[1])
+
+  def test_a_reused_prefix_shares_its_pages(self):
+    model = self.models["glm4moe"]
+    engine = self.engine("glm4moe", prefix_cache=2)
+    rng = np.random.default_rng(4)
+    first = rng.integers(0, 500, size=45).astype(np.int32)     # caches its first 32 tokens
+    second = np.concatenate([first[:40], rng.integers(0, 500, size=10).astype(np.int32)])
+    scheduler = SlotScheduler(engine, adaptive=None)
+    scheduler.run([Request(prompt=first, max_new_tokens=2)])
+    pages = scheduler.state.pages
+    self.assertEqual(pages.free_pages, POOL - 2)              # the entry holds 2 pages
+    seen = []
+    request = Request(prompt=second, max_new_tokens=NEW_TOKENS,
+                      on_tokens=lambda _: seen.append((pages.table[0].copy(), pages.free_pages)))
+    tokens = scheduler.run([request])[0].tokens
+    table, free = seen[0]
+    np.testing.assert_array_equal(table[:2], [0, 1])          # the cached pages themselves
+    # The second prompt's 50 rows take 4 pages, 2 of them the entry's: 4 in use, not 6.
+    self.assertEqual((int(np.sum(table < POOL)), free), (4, POOL - 4))
+    cold = SlotScheduler(self.engine("glm4moe"), adaptive=None).run([request])[0].tokens
+    self.assertEqual(tokens, cold)
+    sequence = np.concatenate([second, tokens[:-1]])
+    self.assertEqual(tokens, np.argmax(model.logits(sequence), -1)[len(second) - 1:].tolist())
+
+  def test_a_request_that_never_fits_is_refused(self):
+    scheduler = SlotScheduler(self.engine("glm4moe", kv_pages=4), adaptive=None)
+    with self.assertRaises(errors.KvPagesError) as caught:
+      scheduler.submit(Request(prompt=np.ones(10, np.int32), max_new_tokens=200), lambda r: r)
+    self.assertEqual(caught.exception.field, "engine.kv_pages")
+    self.assertFalse(scheduler.busy)
+
+  def test_device_kv_bytes_follow_the_pool(self):
+    engine = self.engine("glm4moe")
+    cfg, ec = self.models["glm4moe"].config, engine.engine_cfg
+    per_row = cfg.n_kv_heads * (cfg.head_dim + cfg.value_dim) * 4          # float32 k + v
+    state = engine.init_state()
+    held = sum(a.nbytes for a in jax.tree.leaves(state.kv))
+    self.assertEqual(held, cfg.n_layers * POOL * ec.kv_page * per_row)
+    self.assertLess(held, cfg.n_layers * ec.slots * ec.cache_len * per_row)
+
+
+if __name__ == "__main__":
+  absltest.main()
