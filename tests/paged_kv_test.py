@@ -150,7 +150,7 @@ class PagedEngineTest(parameterized.TestCase):
                          draft_tokens=2), **settings)
     return self.models[kind].engine(native_mtp=native_mtp, **settings)
 
-  @parameterized.parameters(("glm4moe", 24), ("deepseek2", 10), ("glm-dsa", 10))
+  @parameterized.parameters(("glm4moe", 12), ("deepseek2", 8), ("glm-dsa", 8))
   def test_many_requests_over_a_small_pool(self, kind, count):
     model = self.models[kind]
     engine = self.engine(kind)
