@@ -184,7 +184,7 @@ class GlmDsaFixtureTest(ReferenceFixtureChecks, absltest.TestCase):
   def test_kv_cache_holds_latent_plus_rope_key_per_token(self):
     cfg = self.model.config
     state = self.model.engine(native_mtp=True, max_len=64).init_state()
-    for latent, index_keys in list(state.kv[0]) + [state.groups[0].head.mtp_kv]:
+    for latent, index_keys in list(state.kv[0]) + [state.mtp.kv]:
       self.assertEqual(latent.shape[2:], (1, cfg.kv_lora_rank + cfg.rope_dims))
       self.assertEqual(index_keys.shape[2:], (1, cfg.indexer_dim))
 

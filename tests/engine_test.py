@@ -75,22 +75,23 @@ def scratch_mtp_rows(graphdef, params, tokens, prev):
   return model.mtp_logits(z), y
 
 
-def slot_caches(state, stage: int = 0) -> list:
-  """A stage's page pools read through the page tables as per-slot caches, k [slots, Hkv, S,
-  hd] and v [slots, Hkv, vd, S] (rows past a slot's pages read as some page's: stale)."""
+def slot_caches(state, stage: int = 0, pools=None) -> list:
+  """A stage's page pools (or `pools`, GQA pairs) read through the page tables as per-slot
+  caches, k [slots, Hkv, S, hd] and v [slots, Hkv, vd, S] (rows past a slot's pages read as
+  some page's: stale)."""
   pages = np.minimum(state.pages.table, state.pages.pages - 1)
   seq = lambda pool, axes: np.asarray(pool)[pages].transpose(axes)
   caches = []
-  for k, v in state.kv[stage]:
+  for k, v in state.kv[stage] if pools is None else pools:
     k, v = seq(k, (0, 2, 1, 3, 4)), seq(v, (0, 2, 3, 1, 4))
     caches.append((k.reshape(k.shape[:2] + (-1, k.shape[-1])), v.reshape(v.shape[:3] + (-1,))))
   return caches
 
 
 def view(state):
-  """(slots, trunk caches per slot, MTP cache) of a one-stage, one-group engine state."""
-  group = state.groups[0]
-  return group.head.slots, slot_caches(state), group.head.mtp_kv
+  """(slots, trunk caches per slot, MTP cache per slot) of a one-stage, one-group state."""
+  mtp = slot_caches(state, pools=[state.mtp.kv])[0] if state.mtp is not None else None
+  return state.groups[0].head.slots, slot_caches(state), mtp
 
 
 class FixtureTest(parameterized.TestCase):
@@ -473,12 +474,13 @@ class MtpEngineTest(parameterized.TestCase):
     group = state.groups[0]
     active = np.ones(1, bool)
     fns = engine._draft_steps[1] if step == "verify_draft" else engine._steps[step]
-    hlo = fns[0].lower(engine._leaves[0], None, state.kv[0], state.pages.table[:1], group.head,
+    hlo = fns[0].lower(engine._leaves[0], None, state.kv[0], state.pages.table[:1],
+                       state.joined(group),
                        active, active.astype(np.int32) if native_mtp else None,
                        None, np.bool_(False)).compile().as_text()
     copied = {tuple(int(d) for d in dims.split(",") if d)
               for dims in re.findall(r"= \w+\[([\d,]*)\]\S* copy\(", hlo)}
-    caches = jax.tree.leaves((state.kv, group.head.mtp_kv))
+    caches = jax.tree.leaves((state.kv, state.mtp))
     self.assertFalse(copied & {tuple(c.shape) for c in caches}, f"cache copies in {step}")
 
   def test_donation_deletes_the_input_state(self):
@@ -491,7 +493,7 @@ class MtpEngineTest(parameterized.TestCase):
     state = engine.insert(prefix, state, 0)
     self.assertTrue(before_insert.is_deleted())
     self.assertFalse(prefix.head.slots.pos.is_deleted())   # the prefix is read, not donated
-    trunk, mtp = state.kv[0][-1][1], group.head.mtp_kv[0]
+    trunk, mtp = state.kv[0][-1][1], state.mtp.kv[0]
     state, _, _ = engine.step(state, np.array([True, False]))
     self.assertTrue(trunk.is_deleted())
     self.assertTrue(mtp.is_deleted())

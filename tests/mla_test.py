@@ -96,7 +96,7 @@ class Glm4MoeLiteFixtureTest(ReferenceFixtureChecks, absltest.TestCase):
       self.assertEqual(k, (2, 40, 1, per_token))
       self.assertEqual(v, (2, 40, 1, 0))
     state = self.model.engine(native_mtp=True, max_len=64).init_state()
-    for cache in list(state.kv[0]) + [state.groups[0].head.mtp_kv]:
+    for cache in list(state.kv[0]) + [state.mtp.kv]:
       self.assertEqual(sum(int(np.prod(a.shape[2:])) for a in cache), per_token)
 
 

@@ -12,10 +12,12 @@ from absl.testing import absltest, parameterized
 
 import mtpjax
 from mtpjax import errors
+from mtpjax.engine.contract import committed_tokens
 from mtpjax.engine.page_pool import PageList, PagePool
 from mtpjax.engine.prefix_cache import PrefixCache
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.engine.scheduler import Request, SlotScheduler
+from mtpjax.engine.state import CATCH_UP_ROWS
 from mtpjax.models import blockwise, kv_cache
 from chunked_prefill_test import _write_model, check_prefix
 
@@ -63,7 +65,7 @@ class PagePoolTest(absltest.TestCase):
     cache = PrefixCache(page=4, capacity=4, pool=pool)
     writer = PageList()
     pool.grow(writer, 8)
-    cache.store(b"prefix", writer.pages, carry=None)
+    cache.store(b"prefix", writer.pages, before=None)
     np.testing.assert_array_equal(pool.refs, [2, 2, 0, 0])
     pool.release(writer)
     reader = PageList()
@@ -200,8 +202,16 @@ class PagedEngineTest(parameterized.TestCase):
     np.testing.assert_array_equal(table[:2], [0, 1])          # the cached pages themselves
     # The second prompt's 50 rows take 4 pages, 2 of them the entry's: 4 in use, not 6.
     self.assertEqual((int(np.sum(table < POOL)), free), (4, POOL - 4))
-    cold = SlotScheduler(self.engine("glm4moe"), adaptive=None).run([request])[0].tokens
+    cold_scheduler = SlotScheduler(self.engine("glm4moe"), adaptive=None)
+    cold = cold_scheduler.run([request])[0].tokens
     self.assertEqual(tokens, cold)
+    # The NextN rows of the prefix are those pages too: the entry keeps only h_31, and the
+    # rows the second prompt read there equal a cold prefill's (on its pages 0 and 1).
+    _, (entry_pages, before) = scheduler.state.prefixes.longest(
+        scheduler.state.prefixes.page_keys(first))
+    self.assertEqual((entry_pages, before.shape), ([0, 1], (1, model.config.hidden)))
+    for shared, alone in zip(scheduler.state.mtp.kv, cold_scheduler.state.mtp.kv):
+      np.testing.assert_allclose(np.asarray(shared)[:2], np.asarray(alone)[:2], atol=1e-5)
     sequence = np.concatenate([second, tokens[:-1]])
     self.assertEqual(tokens, np.argmax(model.logits(sequence), -1)[len(second) - 1:].tolist())
 
@@ -220,7 +230,45 @@ class PagedEngineTest(parameterized.TestCase):
     held = sum(a.nbytes for a in jax.tree.leaves(state.kv))
     self.assertEqual(held, cfg.n_layers * POOL * ec.kv_page * per_row)
     self.assertLess(held, cfg.n_layers * ec.slots * ec.cache_len * per_row)
+    # The NextN block's cache and the MTP history (token, hidden) are pages of the same rows;
+    # the head state itself holds only per-slot fields.
+    per_mtp_row = per_row + 4 + cfg.hidden * 4
+    mtp = sum(a.nbytes for a in jax.tree.leaves(state.mtp))
+    self.assertEqual(mtp, POOL * ec.kv_page * per_mtp_row)
+    self.assertLess(mtp, ec.slots * ec.cache_len * per_mtp_row)
+    head = sum(a.nbytes for a in jax.tree.leaves(state.groups[0].head))
+    self.assertLess(head, ec.slots * (cfg.hidden + 64) * 4)
 
+  def test_paused_drafting_with_catch_up_equals_mtp_off(self):
+    """Drafting, a pause of two catch-up passes, drafting again, over 8 pages for 2 slots (4
+    slots' worth of full context would be 12; the NextN rows a slot's last pages cannot hold
+    are dropped): greedy and sampled tokens equal MTP off, and the caught-up head drafts what
+    it drafts over a pool of every slot at full context."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 500, size=n).astype(np.int32) for n in (20, 9)]
+    samplers = [SamplerParams(), SamplerParams(temperature=0.8, seed=3)]
+    schedule = [2] * 3 + [0] * (CATCH_UP_ROWS + 4) + [2] * 4
+
+    def run(native_mtp: bool, windows: list, pool: int = 8):
+      engine = self.engine("glm4moe", native_mtp=native_mtp, slots=2, kv_pages=pool)
+      state = engine.init_state()
+      tokens = []
+      for slot, (prompt, sampler) in enumerate(zip(prompts, samplers)):
+        prefix = engine.prefill(prompt, sampler, state=state)
+        state = engine.insert(prefix, state, slot)
+        tokens.append([int(prefix.current[0])])
+      for window in windows:
+        drafting = np.full(2, window, np.int32) if native_mtp else None
+        state, result, _ = engine.step(state, np.ones(2, bool), drafting)
+        for slot in range(2):
+          tokens[slot] += committed_tokens(result[slot])
+      return tokens, np.asarray(state.groups[0].head.slots.draft)
+
+    on, drafts = run(True, schedule)
+    off, _ = run(False, [0] * (max(map(len, on)) - 1))
+    for slot in range(2):
+      self.assertEqual(on[slot], off[slot][:len(on[slot])], f"slot {slot}")
+    np.testing.assert_array_equal(drafts, run(True, schedule, pool=0)[1])
 
 if __name__ == "__main__":
   absltest.main()

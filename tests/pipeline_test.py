@@ -27,6 +27,7 @@ from mtpjax.engine.scheduler import Request, SlotScheduler
 from mtpjax.api import load_pipelined
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.testing.tiny_glm import TinyGlmSpec, write_tiny_glm_gguf
+from engine_test import slot_caches
 
 SPEC = TinyGlmSpec(mtp_copies_trunk=True)     # 3 trunk layers + NextN: layer_count 4
 PROMPT = [3, 17, 42, 99, 7, 250, 11]
@@ -174,8 +175,9 @@ class _PausedDraftingCase:
     single = states[1].groups[0].head
     np.testing.assert_array_equal(piped_head.slots.pos, single.slots.pos)
     np.testing.assert_array_equal(piped_head.slots.draft, single.slots.draft)
+    mtp = [slot_caches(state, pools=[state.mtp.kv])[0] for state in states]
     for slot, pos in enumerate(np.asarray(single.slots.pos)):
-      for axis, (piped, alone) in zip((1, 2), zip(piped_head.mtp_kv, single.mtp_kv)):
+      for axis, (piped, alone) in zip((1, 2), zip(*mtp)):
         rows = lambda cache: np.take(np.asarray(cache)[slot], np.arange(pos + 1), axis=axis)
         np.testing.assert_allclose(rows(piped), rows(alone), atol=1e-5, err_msg=f"slot {slot}")
     self.assertGreater(results[0][:, ACCEPTED].sum(), 0)   # the caught-up head drafts
@@ -213,7 +215,7 @@ class TwoStagesTest(_PipelineCase, _PausedDraftingCase, absltest.TestCase):
     state = engine.init_state()
     for drafting in (True, False):
       head = state.groups[0].head
-      before = jax.tree.leaves([state.kv, head.mtp_kv, head.history_hidden])
+      before = jax.tree.leaves([state.kv, head, state.mtp])
       state, _, _ = engine.step(state, np.zeros(4, bool), np.full(4, drafting))
       self.assertTrue(all(leaf.is_deleted() for leaf in before), f"drafting {drafting}")
 

@@ -12,9 +12,10 @@ two (`slots_for`): one compile per slot bucket, all made by `warm_up`. Caches an
 are donated, so they are updated in place. The head side of a step (sampling, verify, draft,
 commit, paused drafting with catch-up) is `steps.py`.
 
-The trunk caches are page pools (`page_pool.py`): a prompt is prefilled straight into its own
-pages (a cached prefix's pages are shared, not copied), `insert` hands them to the slot, and
-before each step every active slot gets the pages for the rows that step may write.
+The trunk caches, and the NextN block's cache and MTP history, are page pools
+(`page_pool.py`): a prompt is prefilled straight into its own pages (a cached prefix's pages
+are shared, not copied), `insert` hands them to the slot with its small per-slot head fields,
+and before each step every active slot gets the pages for the rows that step may write.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class Engine:
                                               donate_argnames=donate)
     per_stage = lambda name, fn, donate=(): [jit(name, functools.partial(fn, s), donate)
                                              for s in range(len(self.layouts))]
-    self._prefill = per_stage("prefill", self._prefill_fn, ("kv", "carry"))
+    self._prefill = per_stage("prefill", self._prefill_fn, ("kv", "mtp"))
     self._insert = jit("insert", _insert_fn, ("state",))
     kind = "plain" if engine_cfg.native_mtp else "decode"
     self._steps = {kind: per_stage(kind, functools.partial(self._step_fn, kind=kind),
@@ -131,22 +132,22 @@ class Engine:
     return [(zeros(k), zeros(v)) for k, v in registry.cache_shapes(
         self.cfg, layout.layer_end - layout.layer_start, ec.pool_pages, ec.kv_page)]
 
-  def _empty_head(self, batch: int) -> HeadState:
-    """An empty head state of `batch` slots on the last stage's devices."""
-    here = self.hops.shardings[self.last]
-    return jax.device_put(steps.empty_head(
-        self.cfg, self.engine_cfg, batch, self.dtype,
-        lambda shape, dtype: jnp.zeros(shape, dtype, device=here)), here)
+  def _last_zeros(self, shape, dtype) -> jax.Array:
+    """Zeros allocated on the last stage's devices."""
+    return jnp.zeros(shape, dtype, device=self.hops.shardings[self.last])
 
   def init_state(self) -> EngineState:
     ec = self.engine_cfg
-    groups = [Group(head=self._empty_head(hi - lo) if self.hops.local(self.last) else None)
+    here = self.hops.local(self.last)
+    groups = [Group(head=jax.device_put(steps.empty_head(self.cfg, ec, hi - lo, self.dtype),
+                                        self.hops.shardings[self.last]) if here else None)
               for lo, hi in self.bounds]
     pages = PagePool(ec.pool_pages, ec.kv_page, ec.max_pages, ec.slots)
     prefixes = PrefixCache(ec.page, ec.prefix_cache, pages) if ec.prefix_cache else None
     lag = [np.zeros(hi - lo, np.int32) for lo, hi in self.bounds] if ec.native_mtp else None
+    mtp = steps.empty_mtp_pages(self.cfg, ec, self.dtype, self._last_zeros) if here else None
     return EngineState(groups, [self._zero_pools(s) for s in range(len(self.layouts))], pages,
-                       prefixes, np.zeros(ec.slots, np.int64), lag)
+                       prefixes, np.zeros(ec.slots, np.int64), lag, mtp)
 
   def warm_up_schedule(self) -> list[np.ndarray]:
     """One live slot at k - 1 of a group makes a step over its first k slots."""
@@ -168,21 +169,21 @@ class Engine:
 
   # --- prefill ------------------------------------------------------------------------------
 
-  def _prefill_fn(self, s: int, leaves, inp, start, kv, table, carry, extra):
+  def _prefill_fn(self, s: int, leaves, inp, start, kv, table, before, mtp, extra):
     """Stage `s` over one chunk of a prompt at positions start... (tokens, or the hop's
     (x, selection)) into the prompt's pages (`table` [1, max_pages]) of the pools `kv`; the
-    last stage also samples and drafts (`extra`), continuing the MTP rows from `carry`
-    (h_{start-1}, the MTP KV)."""
+    last stage also samples and drafts (`extra`), continuing the MTP rows from `before`
+    (h_{start-1}) into the same pages of the NextN pools `mtp`. Returns (kv, output), in the
+    order of the donated inputs (see `_step_fn`)."""
     model = self._model(s, leaves)
     width = (inp if self.layouts[s].embeddings else inp[0]).shape[1]
     positions = start + jnp.arange(width, dtype=jnp.int32)[None]
     x, kv, selection = stage_forward(model, inp, positions, kv, table)
     if not self.layouts[s].output:
-      return (x, selection if self._hands_selection(s) else None), kv
+      return kv, (x, selection if self._hands_selection(s) else None)
     tokens, length, sampler, want = extra
-    before, mtp_kv = carry
-    return steps.prefill_commit(model, self.engine_cfg, tokens, x, length, sampler, want,
-                                start=start, before=before, mtp_kv=mtp_kv), kv
+    return kv, steps.prefill_commit(model, self.engine_cfg, tokens, x, length, sampler, want,
+                                    start=start, before=before, mtp=mtp, table=table)
 
   def prefill(self, prompt: np.ndarray, sampler: SamplerParams, *, state: EngineState,
               logprobs: bool = False) -> Prefix:
@@ -211,7 +212,7 @@ class Engine:
     ec = self.engine_cfg
     prompt, chunks = ec.prefill_chunks(prompt)
     job = PrefillJob(prompt=prompt, chunks=chunks, sampler=sampler_arrays(sampler.validate()),
-                     logprobs=logprobs, state=state, pages=PageList(), carry=None)
+                     logprobs=logprobs, state=state, pages=PageList(), before=None)
     entry = None
     if state.prefixes is not None:
       keys = state.prefixes.page_keys(prompt)
@@ -223,15 +224,11 @@ class Engine:
     if not state.pages.reserve(job.pages, need - len(job.pages.pages)):
       state.pages.release(job.pages)
       return None
-    if entry is not None:   # the job donates its carry: the entry keeps its own
-      job.carry = jax.tree.map(jnp.copy, entry[1])
+    if entry is not None:   # h_{n-1}; the prefix's MTP rows are on its shared pages
+      job.before = entry[1]
       job.chunks = ec.prefill_chunks(prompt, job.cached)[1]
-      return job
-    if self.hops.local(self.last):   # h_{-1} and the NextN cache, not a whole head state
-      here = self.hops.shardings[self.last]
-      zeros = lambda shape, dtype: jnp.zeros(shape, dtype, device=here)
-      job.carry = (zeros((1, self.cfg.hidden), self.dtype),
-                   steps.empty_mtp_kv(self.cfg, ec, 1, self.dtype, zeros))
+    elif self.hops.local(self.last):
+      job.before = self._last_zeros((1, self.cfg.hidden), self.dtype)
     return job
 
   def drop_prefill(self, job: PrefillJob) -> None:
@@ -244,7 +241,9 @@ class Engine:
     start, count, bucket = job.chunks.pop(0)
     final = not job.chunks
     state = job.state
-    state.pages.grow(job.pages, start + count)      # a padded tail past them is dropped
+    # A padded tail past the pages is dropped; the last chunk's MTP rows run to its chain's.
+    mtp_rows = self.engine_cfg.draft_tokens if final and self.engine_cfg.native_mtp else 0
+    state.pages.grow(job.pages, start + count + mtp_rows)
     table = state.pages.row(job.pages)[None]
     tokens = np.zeros((1, bucket), np.int32)
     tokens[0, :count] = job.prompt[start:start + count]
@@ -257,17 +256,18 @@ class Engine:
       if not self.hops.local(s):
         continue
       last = s == self.last
-      out, state.kv[s] = self._prefill[s](self._leaves[s], x, np.int32(start), state.kv[s],
-                                          table, job.carry if last else None,
-                                          extra if last else None)
+      state.kv[s], out = self._prefill[s](self._leaves[s], x, np.int32(start), state.kv[s],
+                                          table, job.before if last else None,
+                                          state.mtp if last else None, extra if last else None)
       if last:
         head, rows = out
-        job.carry = (head.slots.h_prev, head.mtp_kv)
+        state.mtp, head = head.mtp, head.replace(mtp=None)
+        job.before = head.slots.h_prev
       else:
         x = out
     if not final:
       if job.save is not None and job.save[0] == start + count:
-        state.prefixes.store(job.save[1], job.pages.pages, jax.tree.map(jnp.copy, job.carry))
+        state.prefixes.store(job.save[1], job.pages.pages, job.before)
       return False
     current = self.hops.share(None if head is None else head.slots.current, self.last,
                               like=_ints(1))
@@ -322,7 +322,8 @@ class Engine:
     `verify` only samples the target's tokens (timing mode, `_draft_fn` commits). `drafts`:
     the host's drafts [k, draft_tokens] (None: the MTP chain in the head state). The pools
     `kv` stay whole: the model writes and reads only the computed slots' pages (`table`
-    [k, max_pages]).
+    [k, max_pages]). Returns (kv, the stage's output): jit aliases donated inputs to outputs
+    of the same shape in order, and the NextN pools in `head` have the trunk pools' shapes.
     """
     model = self._model(s, leaves)
     layout = self.layouts[s]
@@ -342,20 +343,20 @@ class Engine:
       inp = (x, selection)
     x, kv, selection = stage_forward(model, inp, positions, kv, table)
     if not layout.output:
-      return (x, positions, selection if self._hands_selection(s) else None), kv
+      return kv, (x, positions, selection if self._hands_selection(s) else None)
     top_n = self.engine_cfg.logprobs
     if kind == "verify":
-      return steps.verify_tokens(model, part, x, top_n, want), kv
+      return kv, steps.verify_tokens(model, part, x, top_n, want)
     if kind in ("verify_draft", "verify_host"):
       verified, logprobs = steps.verify_tokens(model, part, x, top_n, want)
-      part, result = (steps.draft_commit(model, part, verified, active, drafting)
+      part, result = (steps.draft_commit(model, part, table, verified, active, drafting)
                       if kind == "verify_draft" else
                       steps.host_verify_commit(part, verified, active, drafting))
     elif kind == "plain":
-      part, result, logprobs = steps.plain_commit(model, part, x, active, top_n, want)
+      part, result, logprobs = steps.plain_commit(model, part, table, x, active, top_n, want)
     else:
       part, result, logprobs = steps.decode_commit(model, part, x, active, top_n, want)
-    return (head.merge(part), self._with_chain(result, part), logprobs), kv
+    return kv, (head.merge(part), self._with_chain(result, part), logprobs)
 
   def _with_chain(self, result, part: HeadState):
     """ResultTokens with the slots' next MTP chain appended (`mtp_chain_columns`)."""
@@ -380,15 +381,15 @@ class Engine:
       return np.where(drafting, ec.draft_tokens, 0).astype(np.int32)
     return np.clip(drafting, 0, ec.draft_tokens).astype(np.int32)
 
-  def _draft_fn(self, leaves, head: HeadState, verified, active, drafting, drafts):
+  def _draft_fn(self, leaves, head: HeadState, table, verified, active, drafting, drafts):
     part, result = steps.draft_commit(self._model(self.last, leaves),
-                                      _with_drafts(head.first(active.shape[0]), drafts),
+                                      _with_drafts(head.first(active.shape[0]), drafts), table,
                                       verified, active, drafting)
     return head.merge(part), self._with_chain(result, part)
 
-  def _catch_up_fn(self, leaves, head: HeadState, active):
+  def _catch_up_fn(self, leaves, head: HeadState, table, active):
     part = steps.catch_up_commit(self._model(self.last, leaves), head.first(active.shape[0]),
-                                 active)
+                                 table, active)
     return head.merge(part)
 
   def catch_up(self, state: EngineState, active) -> EngineState:
@@ -400,10 +401,16 @@ class Engine:
     for g, ((lo, hi), group) in enumerate(zip(self.bounds, state.groups)):
       live = active[lo:hi]
       passes, state.mtp_lag[g] = steps.catch_up_passes(state.mtp_lag[g], live)
-      if passes and self.hops.local(self.last):
-        act = live[:self.slots_for(live)]
+      if not passes:
+        continue
+      for slot in lo + np.flatnonzero(live):     # pages for the fresh chain's rows
+        pos = int(state.positions[slot])
+        state.pages.grow_slot(slot, pos, self.engine_cfg.draft_tokens)
+      if self.hops.local(self.last):
+        k = self.slots_for(live)
         for _ in range(passes):
-          group.head = self._catch_up(self._leaves[self.last], group.head, act)
+          state.keep(group, self._catch_up(self._leaves[self.last], state.joined(group),
+                                           state.pages.table[lo:lo + k], live[:k]))
     return state
 
   def step(self, state: EngineState, active: np.ndarray, drafting: np.ndarray | None = None,
@@ -439,8 +446,9 @@ class Engine:
     if kind == "verify_draft":
       state = self.catch_up(state, active)
     tokens = depth + 1
+    ahead = steps.mtp_rows_ahead(depth) if ec.native_mtp else 0
     for slot in np.flatnonzero(active):     # pages for every row this step may write
-      state.pages.grow_slot(slot, int(state.positions[slot]) + tokens)
+      state.pages.grow_slot(slot, int(state.positions[slot]) + tokens, ahead)
     step_fns = self._draft_steps[depth] if depth else self._steps[kind]
     info: dict = {}
     results, rows = [], []
@@ -465,16 +473,17 @@ class Engine:
         if not self.hops.local(s):
           continue
         if s < self.last:
-          out, state.kv[s] = step_fns[s](self._leaves[s], out, state.kv[s], table, None, act,
+          state.kv[s], out = step_fns[s](self._leaves[s], out, state.kv[s], table, None, act,
                                          None, group_drafts if s == 0 else None, want)
           continue
         if kind == "verify_draft" and ec.timing:
-          group.head, result, committed = self._timed_last_stage(
+          head, result, committed = self._timed_last_stage(
               state, group, out, table, act, draft_mask, group_drafts, want, info, depth)
         else:
-          (group.head, result, committed), state.kv[s] = step_fns[s](
-              self._leaves[s], out, state.kv[s], table, group.head, act, draft_mask,
+          state.kv[s], (head, result, committed) = step_fns[s](
+              self._leaves[s], out, state.kv[s], table, state.joined(group), act, draft_mask,
               group_drafts, want)
+        state.keep(group, head)
         results.append(result)
         rows.append(committed)
     if kind == "plain":
@@ -516,11 +525,12 @@ class Engine:
     """The last stage of a drafting step as two synced jits: verify, then draft and commit."""
     leaves = self._leaves[self.last]
     start = time.perf_counter()
-    (verified, logprobs), state.kv[self.last] = self._verify[depth](
+    state.kv[self.last], (verified, logprobs) = self._verify[depth](
         leaves, inp, state.kv[self.last], table, group.head, active, drafting, drafts, want)
     jax.block_until_ready(verified)
     mid = time.perf_counter()
-    head, result = self._draft(leaves, group.head, verified, active, drafting, drafts)
+    head, result = self._draft(leaves, state.joined(group), table, verified, active, drafting,
+                               drafts)
     result = np.asarray(result)
     end = time.perf_counter()
     for name, seconds in (("verification_compute_us", mid - start),

@@ -1,8 +1,9 @@
 """The host side of the paged KV cache: which pages of the pools each sequence holds.
 
-Every trunk layer (on every stage) has a pool of `EngineConfig.pool_pages` pages of
-`kv_page` rows; one page id names the same page in every pool, so one table per slot
-([slots, max_pages] int32) serves every layer and every stage. Every process of a pipeline
+Every trunk layer (on every stage) and the NextN block's cache and MTP history (on the last
+stage) have a pool of `EngineConfig.pool_pages` pages of `kv_page` rows; one page id names
+the same page in every pool, so one table per slot ([slots, max_pages] int32) serves every
+layer and every stage. Every process of a pipeline
 runs the same schedule through this deterministic allocator (lowest free page first), so each
 builds the same tables without exchanging them.
 
@@ -128,7 +129,16 @@ class PagePool:
     self.release(self.slots[slot])
     self.table[slot] = self.pages
 
-  def grow_slot(self, slot: int, rows: int) -> None:
+  def grow_slot(self, slot: int, rows: int, ahead: int = 0) -> None:
+    """Give slot `slot` the pages for its first `rows` rows, and for `ahead` rows more while its
+    reservation or unpromised free pages allow (no reclaim, no error): the NextN block's rows
+    run ahead of the trunk's, and a row past every page its request can reach only drafts a
+    position past the request's end, so it may be dropped."""
     held = self.slots[slot]
-    if self.grow(held, rows):
+    grown = self.grow(held, rows)
+    spare = held.reserved + max(self.available, 0)
+    wanted = min(-(-(rows + ahead) // self.page_rows), self.max_pages) - len(held.pages)
+    if min(wanted, spare) > 0:
+      grown |= self.grow(held, (len(held.pages) + min(wanted, spare)) * self.page_rows)
+    if grown:
       self.table[slot] = self.row(held)

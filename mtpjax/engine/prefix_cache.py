@@ -5,10 +5,10 @@ A key page is the largest prefill bucket's worth of tokens, so a cached prefix e
 chunk ends, on a KV page boundary: a sequence that starts with an entry's pages only ever
 writes the pages after them, so they are shared, never copied. Each entry is keyed by a hash
 chain over the prompt's key pages (page i's key hashes page i's tokens and page i - 1's key),
-so one key names a whole prefix. An entry holds a reference on its KV pages (`page_pool.py`)
-and, on the last stage, the carry into the next chunk (h_{n-1} and a copy of the NextN
-block's per-slot cache), so native MTP continues from a reused prefix exactly as from its own
-prefill. Past `capacity` entries, the least recently used goes; the pool reclaims entries no
+so one key names a whole prefix. An entry holds a reference on its KV pages (`page_pool.py`),
+which hold the NextN block's rows of the prefix too, and, on the last stage, the trunk hidden
+h_{n-1} the next chunk's MTP rows start from, so native MTP continues from a reused prefix
+exactly as from its own prefill. Past `capacity` entries, the least recently used goes; the pool reclaims entries no
 sequence uses, least recently used first, when a reservation needs their pages.
 """
 
@@ -41,7 +41,7 @@ class PrefixCache:
     return keys
 
   def longest(self, keys: list[tuple[int, bytes]]) -> tuple[int, tuple[list[int], object]]:
-    """(tokens, (page ids, carry)) of the longest cached prefix among a prompt's `page_keys`;
+    """(tokens, (page ids, h_{n-1})) of the longest cached prefix among a prompt's `page_keys`;
     (0, None) when none is."""
     for end, key in reversed(keys):
       if key in self._entries:
@@ -57,10 +57,10 @@ class PrefixCache:
       return None
     return keys[-1]
 
-  def store(self, key: bytes, pages: list[int], carry: object) -> None:
-    """Keep a prefix: its KV pages (one more reference each) and the carry."""
+  def store(self, key: bytes, pages: list[int], before: object) -> None:
+    """Keep a prefix: its KV pages (one more reference each) and h_{n-1}."""
     self.pool.retain(pages)
-    self._entries[key] = (list(pages), carry)
+    self._entries[key] = (list(pages), before)
     self._entries.move_to_end(key)
     while len(self._entries) > self.capacity:
       self.pool.drop(self._entries.popitem(last=False)[1][0])

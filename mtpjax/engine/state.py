@@ -3,8 +3,9 @@ host-side structure over pipeline stages and slot groups (DECODE.md §3 for the 
 
 Slots are split into groups (microbatches, one per stage in a pipeline, one in all for a single
 stage). Each group holds, on the last stage, a `HeadState`: what sampling, verifying and
-drafting need. Every stage's trunk caches are page pools shared by all groups (a stage runs
-its groups one after the other), read through the slots' page tables (`page_pool.py`).
+drafting need. Every stage's trunk caches, and the last stage's NextN cache and MTP history
+(`MtpPages`), are page pools shared by all groups (a stage runs its groups one after the
+other), read through the slots' page tables (`page_pool.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from mtpjax.engine.page_pool import PageList, PagePool
 from mtpjax.engine.prefix_cache import PrefixCache
 from mtpjax.engine.sampling import SamplerParams, request_key
 
-# MTP rows one catch-up pass writes per slot; the MTP cache and history keep this many spare rows.
+# MTP rows one catch-up pass writes per slot.
 CATCH_UP_ROWS = 16
 
 
@@ -68,13 +69,22 @@ def sampler_arrays(sampler: SamplerParams) -> tuple[np.ndarray, ...]:
 
 
 @flax.struct.dataclass
+class MtpPages:
+  """The NextN block's page pools (native MTP), on the last stage: its cache pair, and the MTP
+  inputs (token x_p, trunk hidden h_{p-1}) of the rows plain steps committed, which a catch-up
+  reads back. Row p of a slot is on the trunk's page for row p, so this memory follows the
+  tokens held and a cached prefix's rows are shared with its pages."""
+  kv: tuple
+  tokens: jax.Array   # [P, R] int32
+  hidden: jax.Array   # [P, R, D]
+
+
+@flax.struct.dataclass
 class HeadState:
-  """The last stage's state: the slots, and with native MTP (else None) the NextN block's cache
-  and the MTP inputs (token x_p, trunk hidden h_{p-1}) of the rows plain steps committed."""
+  """The last stage's state: the slots and, inside a step with native MTP (else None), the
+  NextN pools; the engine keeps one `MtpPages` for all groups (`EngineState.joined`)."""
   slots: Slots
-  mtp_kv: tuple | None
-  history_tokens: jax.Array | None   # [B, S'] int32
-  history_hidden: jax.Array | None   # [B, S', D]
+  mtp: MtpPages | None = None
 
   def first(self, k: int) -> "HeadState":
     """The first k slots; the caches stay whole (a step writes and reads only their rows)."""
@@ -93,7 +103,7 @@ class Group:
 @dataclasses.dataclass
 class EngineState:
   """The groups; each stage's trunk page pools (one cache pair per layer; None where another
-  process owns the stage); the host's page allocator with its page tables, the prefix cache
+  process owns the stage) and the last stage's NextN pools; the host's page allocator with its page tables, the prefix cache
   over it and each slot's position (every process runs the same schedule, so each knows what
   pages a step needs without reading the positions back); and (native MTP) the host's copy of
   each group's `mtp_lag`, for the catch-up passes the last stage needs."""
@@ -103,6 +113,15 @@ class EngineState:
   prefixes: PrefixCache | None
   positions: np.ndarray                   # [slots] each slot's `pos`
   mtp_lag: list[np.ndarray] | None = None
+  mtp: MtpPages | None = None             # the last stage's NextN pools (native MTP)
+
+  def joined(self, group: Group) -> HeadState:
+    """A group's head state with the NextN pools, as a step donates and returns it."""
+    return group.head.replace(mtp=self.mtp)
+
+  def keep(self, group: Group, head: HeadState) -> None:
+    """Take a step's `joined` head state back apart."""
+    self.mtp, group.head = head.mtp, head.replace(mtp=None)
 
 
 @dataclasses.dataclass
@@ -120,16 +139,16 @@ class Prefix:
 @dataclasses.dataclass
 class PrefillJob:
   """A prompt being prefilled chunk by chunk (`Engine.start_prefill`) straight into its pages
-  of `state`'s pools, on the last stage the carry into the next chunk (h_{start-1}, the MTP
-  KV), and the (start, tokens, bucket) chunks still to run; `prefix` is set once the last one
-  has run."""
+  of `state`'s pools (the NextN block's too), on the last stage the trunk hidden before the
+  next chunk (h_{start-1}), and the (start, tokens, bucket) chunks still to run; `prefix` is
+  set once the last one has run."""
   prompt: np.ndarray
   chunks: list[tuple[int, int, int]]
   sampler: tuple
   logprobs: bool
   state: EngineState
   pages: PageList
-  carry: tuple | None
+  before: jax.Array | None
   prefix: Prefix | None = None
   save: tuple[int, bytes] | None = None   # (tokens, key) of the prefix to cache on the way
   cached: int = 0                         # prompt tokens taken from the prefix cache

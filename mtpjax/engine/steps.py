@@ -19,6 +19,11 @@ While no slot drafts, a plain step costs what a step with MTP off costs: the MTP
 run, each committed row's MTP inputs (token, trunk hidden) go to a history buffer and the
 slot's MTP KV falls behind. Before drafting resumes, catch-up passes run the MTP block over the
 missing rows, CATCH_UP_ROWS at a time.
+
+The NextN cache and the history are page pools (`MtpPages`) read through the trunk's page
+table, since MTP row p is the trunk's position p; a row written on no page (a catch-up window
+or a draft chain past what the slot holds) is dropped, and only ever feeds drafts for
+positions past it, which nothing reads before rewriting.
 """
 
 from __future__ import annotations
@@ -29,36 +34,36 @@ import numpy as np
 
 from mtpjax.engine.contract import EngineConfig
 from mtpjax.engine.sampling import greedy_tokens, sample, token_logprobs
-from mtpjax.engine.state import CATCH_UP_ROWS, HeadState, Slots
+from mtpjax.engine.state import CATCH_UP_ROWS, HeadState, MtpPages, Slots
 from mtpjax.models import registry
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.interface import CausalLM, previous_hidden, stage_forward
-from mtpjax.models.kv_cache import live_slots, write_rows
+from mtpjax.models.kv_cache import AttentionMetadata, gather_rows, scatter_rows
 
 
-def empty_head(cfg: ModelConfig, engine_cfg: EngineConfig, batch: int, dtype, zeros=np.zeros
-               ) -> HeadState:
-  """A head state of `batch` empty slots (`zeros`: np.zeros, or jnp.zeros inside jit)."""
-  slots = Slots.empty(batch, cfg.hidden, dtype, engine_cfg.draft_tokens)
-  if not engine_cfg.native_mtp:
-    return HeadState(slots=slots, mtp_kv=None, history_tokens=None, history_hidden=None)
-  rows = mtp_cache_len(engine_cfg)
-  return HeadState(slots=slots, mtp_kv=empty_mtp_kv(cfg, engine_cfg, batch, dtype, zeros),
-                   history_tokens=zeros((batch, rows), np.int32),
-                   history_hidden=zeros((batch, rows, cfg.hidden), dtype))
+def empty_head(cfg: ModelConfig, engine_cfg: EngineConfig, batch: int, dtype) -> HeadState:
+  """A head state of `batch` empty slots (host arrays; without the NextN pools)."""
+  return HeadState(slots=Slots.empty(batch, cfg.hidden, dtype, engine_cfg.draft_tokens))
 
 
-def empty_mtp_kv(cfg: ModelConfig, engine_cfg: EngineConfig, batch: int, dtype, zeros=np.zeros):
-  """The NextN block's empty cache of `batch` slots (None without native MTP)."""
+def empty_mtp_pages(cfg: ModelConfig, engine_cfg: EngineConfig, dtype, zeros
+                    ) -> MtpPages | None:
+  """The NextN block's empty pools, the trunk's pages of rows (None without native MTP);
+  `zeros(shape, dtype)` allocates them."""
   if not engine_cfg.native_mtp:
     return None
-  (k, v), = registry.cache_shapes(cfg, 1, batch, mtp_cache_len(engine_cfg))
-  return zeros(k, dtype), zeros(v, dtype)
+  pages, rows = engine_cfg.pool_pages, engine_cfg.kv_page
+  (k, v), = registry.cache_shapes(cfg, 1, pages, rows)
+  return MtpPages(kv=(zeros(k, dtype), zeros(v, dtype)),
+                  tokens=zeros((pages, rows), np.int32),
+                  hidden=zeros((pages, rows, cfg.hidden), dtype))
 
 
-def mtp_cache_len(engine_cfg: EngineConfig) -> int:
-  """MTP KV and history rows: a catch-up pass writes a whole window past the last row."""
-  return engine_cfg.cache_len + CATCH_UP_ROWS
+def mtp_rows_ahead(depth: int) -> int:
+  """Rows past a step's trunk rows (pos .. pos + depth) that its NextN rows write and read
+  back: the verify rows' MTP rows end one further (pos + depth + 1) and the next chain runs
+  depth - 1 past the last; a plain step records the new current's history row, pos + 1."""
+  return max(depth, 1)
 
 
 def step_inputs(current, draft, pos, depth: int) -> tuple[jax.Array, jax.Array]:
@@ -68,7 +73,8 @@ def step_inputs(current, draft, pos, depth: int) -> tuple[jax.Array, jax.Array]:
   return tokens, pos[:, None] + jnp.arange(depth + 1, dtype=jnp.int32)[None]
 
 
-def draft_chain(model: CausalLM, mtp_kv, z, y, pos, depth: int) -> tuple[jax.Array, object]:
+def draft_chain(model: CausalLM, mtp_kv, table, z, y, pos, depth: int
+                ) -> tuple[jax.Array, object]:
   """`depth` greedy drafts after the MTP row at `pos` [B] whose NextN outputs are z (normed)
   and y (before the head norm), [B, D] each, and the MTP cache with the chain's rows.
 
@@ -76,10 +82,12 @@ def draft_chain(model: CausalLM, mtp_kv, z, y, pos, depth: int) -> tuple[jax.Arr
   written to the MTP cache at that position: the block applied to its own output, as vLLM's
   MTP proposer chains it (`CausalLM.mtp_rows`). Those rows lie past the committed length, so
   the next step's pass over the committed rows rewrites them before any query reads them.
+  `table`: the slots' page table over the MTP cache's pages.
   """
   drafts = [greedy_tokens(model.mtp_logits(z))]
   for i in range(1, depth):
-    z, y, mtp_kv = model.mtp_rows(drafts[-1][:, None], y[:, None], (pos + i)[:, None], mtp_kv)
+    z, y, mtp_kv = model.mtp_rows(drafts[-1][:, None], y[:, None], (pos + i)[:, None], mtp_kv,
+                                  table)
     z, y = z[:, 0], y[:, 0]
     drafts.append(greedy_tokens(model.mtp_logits(z)))
   return jnp.stack(drafts, axis=1), mtp_kv
@@ -135,16 +143,17 @@ def committed_logprobs(logits, tokens, top_n: int, want):
 
 
 def prefill_commit(model: CausalLM, engine_cfg: EngineConfig, tokens, hidden, length,
-                   sampler: tuple, want=False, *, start=0, before=None, mtp_kv=None
-                   ) -> tuple[HeadState, tuple | None]:
+                   sampler: tuple, want=False, *, start=0, before=None,
+                   mtp: MtpPages | None = None, table=None) -> tuple[HeadState, tuple | None]:
   """Sample the first token from the prompt's last hidden and, with MTP, draft the next one.
 
   `hidden` [1, bucket, D] is the post-norm trunk output of the prompt `tokens` [1, bucket].
-  A chunk of a longer prompt (`Engine.prefill_chunk`) starts at position `start` with `length` of its
-  rows real; its MTP rows continue from `before` (h_{start-1}) on the prompt's `mtp_kv` so far.
-  Only the last chunk's sample and draft are used: an earlier chunk's pass leaves its
-  `h_prev` (the next chunk's `before`) and MTP rows, whose row past the chunk the next one
-  rewrites. Returns the head state and the first token's logprobs (`committed_logprobs`).
+  A chunk of a longer prompt (`Engine.prefill_chunk`) starts at position `start` with `length`
+  of its rows real; its MTP rows continue from `before` (h_{start-1}), written into the
+  prompt's pages (`table` [1, max_pages]) of the NextN pools `mtp`. Only the last chunk's
+  sample and draft are used: an earlier chunk's pass leaves its `h_prev` (the next chunk's
+  `before`) and MTP rows, whose row past the chunk the next one rewrites. Returns the head
+  state (with the pools) and the first token's logprobs (`committed_logprobs`).
   """
   keys, temperature, top_k, top_p = sampler
   index = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
@@ -152,16 +161,16 @@ def prefill_commit(model: CausalLM, engine_cfg: EngineConfig, tokens, hidden, le
   last = jax.lax.dynamic_index_in_dim(hidden, length - 1, axis=1, keepdims=False)  # [1, D]
   logits = model.lm_logits(last)
   first = sample(logits, keys, (start + length)[None], temperature, top_k, top_p)
-  head = empty_head(model.cfg, engine_cfg, 1, model.dtype, jnp.zeros)
+  head = empty_head(model.cfg, engine_cfg, 1, model.dtype)
   draft = head.slots.draft
   if engine_cfg.native_mtp:
     mtp_tokens = jnp.where(index == length, first[:, None], tokens)
     z, y, mtp_kv = model.mtp_rows(mtp_tokens, previous_hidden(hidden, before), positions,
-                                  head.mtp_kv if mtp_kv is None else mtp_kv)
+                                  mtp.kv, table)
     row = lambda a: jax.lax.dynamic_index_in_dim(a, length, axis=1, keepdims=False)
-    draft, mtp_kv = draft_chain(model, mtp_kv, row(z), row(y), (start + length)[None],
+    draft, mtp_kv = draft_chain(model, mtp_kv, table, row(z), row(y), (start + length)[None],
                                 engine_cfg.draft_tokens)
-    head = head.replace(mtp_kv=mtp_kv)
+    head = head.replace(mtp=mtp.replace(kv=mtp_kv))
   return head.replace(slots=Slots(
       pos=(start + length)[None], current=first, draft=draft, h_prev=last, keys=keys,
       temperature=temperature, top_k=top_k, top_p=top_p, mtp_lag=jnp.zeros((1,), jnp.int32))
@@ -235,7 +244,7 @@ def host_verify_commit(head: HeadState, verified, active, window
                           active)
 
 
-def draft_commit(model: CausalLM, head: HeadState, verified, active, window
+def draft_commit(model: CausalLM, head: HeadState, table, verified, active, window
                  ) -> tuple[HeadState, jax.Array]:
   """MTP pass over the k + 1 new rows, commit the accepted drafts and the target's next token
   per slot, then draft the next chain of k from the new `current`'s row.
@@ -244,7 +253,7 @@ def draft_commit(model: CausalLM, head: HeadState, verified, active, window
   padded; 0: the slot does not draft and commits only the target's own token). Drafts past
   the chain a previous, shorter step made are stale: they are only ever rejected or, equal
   to the target's token by chance, accepted losslessly. Every active slot must be caught up
-  (`mtp_lag` 0), see `Engine.catch_up`.
+  (`mtp_lag` 0), see `Engine.catch_up`. `table`: the slots' pages of the NextN pools.
   """
   s = head.slots
   tokens, hidden = verified
@@ -252,30 +261,30 @@ def draft_commit(model: CausalLM, head: HeadState, verified, active, window
   accepted = accepted_drafts(tokens, s.draft, window)
   committed, result = _commit_accepted(head, tokens, hidden, accepted, active)
   positions = s.pos[:, None] + jnp.arange(1, depth + 2, dtype=jnp.int32)[None]
-  z, y, mtp_kv = model.mtp_rows(tokens, hidden, positions, head.mtp_kv)
+  z, y, mtp_kv = model.mtp_rows(tokens, hidden, positions, head.mtp.kv, table)
   # Only the row of the new `current` drafts; the chain runs the head once per draft.
-  chain, mtp_kv = draft_chain(model, mtp_kv, _at(z, accepted), _at(y, accepted),
+  chain, mtp_kv = draft_chain(model, mtp_kv, table, _at(z, accepted), _at(y, accepted),
                               s.pos + accepted + 1, depth)
   draft = jnp.concatenate([chain, s.draft[:, depth:]], axis=1)
-  return committed.replace(mtp_kv=mtp_kv, slots=committed.slots.replace(
+  return committed.replace(mtp=head.mtp.replace(kv=mtp_kv), slots=committed.slots.replace(
       draft=_keep(active, draft, s.draft))), result
 
 
-def plain_commit(model: CausalLM, head: HeadState, hidden, active, top_n: int = 0,
+def plain_commit(model: CausalLM, head: HeadState, table, hidden, active, top_n: int = 0,
                  want=False) -> tuple[HeadState, jax.Array, tuple | None]:
   """Commit one sampled token per slot without the MTP block: the new row's MTP inputs
   (token, h_pos) go to the history and the slot's MTP KV falls one more row behind.
   The draft is left as it was (a stale draft is only ever rejected).
 
   Only these steps write the history: the rows a catch-up reads are exactly the rows committed
-  by plain steps since the slot was last caught up.
+  by plain steps since the slot was last caught up. `table`: the slots' pages of the history.
   """
   committed, result, logprobs = decode_commit(model, head, hidden, active, top_n, want)
   s = committed.slots
-  start = head.slots.pos + 1
+  row = AttentionMetadata((head.slots.pos + 1)[:, None], table)
   return committed.replace(
-      history_tokens=write_rows(head.history_tokens, s.current[:, None], start),
-      history_hidden=write_rows(head.history_hidden, hidden, start),
+      mtp=head.mtp.replace(tokens=scatter_rows(head.mtp.tokens, s.current[:, None], row),
+                           hidden=scatter_rows(head.mtp.hidden, hidden, row)),
       slots=s.replace(mtp_lag=jnp.where(active, s.mtp_lag + 1, s.mtp_lag))), result, logprobs
 
 
@@ -286,26 +295,26 @@ def catch_up_passes(lag: np.ndarray, live: np.ndarray) -> tuple[int, np.ndarray]
   return passes, np.where(live, np.maximum(lag - passes * CATCH_UP_ROWS, 0), lag).astype(np.int32)
 
 
-def catch_up_commit(model: CausalLM, head: HeadState, active) -> HeadState:
+def catch_up_commit(model: CausalLM, head: HeadState, table, active) -> HeadState:
   """Run the MTP block over the next CATCH_UP_ROWS missing rows of each lagging slot.
 
-  Rows past `pos` in the window are written from stale history; like every row past the
-  committed length they are rewritten before they are read. The slot whose window reaches
-  `pos` drafts a fresh chain from its last row.
+  Rows past `pos` in the window are read from stale history (or, past the slot's pages, some
+  page's rows) and written where the slot has pages; like every row past the committed length
+  they are rewritten before they are read. The slot whose window reaches `pos` drafts a fresh
+  chain from its last row. `table`: the slots' pages of the NextN pools.
   """
   s = head.slots
   start = s.pos + 1 - s.mtp_lag                                            # first missing row
-  window = lambda a, first: jax.lax.dynamic_slice_in_dim(a, first, CATCH_UP_ROWS, axis=0)
-  k = start.shape[0]
-  tokens = jax.vmap(window)(live_slots(head.history_tokens, k), start)
-  hidden = jax.vmap(window)(live_slots(head.history_hidden, k), start)
-  positions = start[:, None] + jnp.arange(CATCH_UP_ROWS, dtype=jnp.int32)[None]
-  z, y, mtp_kv = model.mtp_rows(tokens, hidden, positions, head.mtp_kv)
+  rows = AttentionMetadata(start[:, None] + jnp.arange(CATCH_UP_ROWS, dtype=jnp.int32)[None],
+                           table)
+  z, y, mtp_kv = model.mtp_rows(gather_rows(head.mtp.tokens, rows),
+                                gather_rows(head.mtp.hidden, rows), rows.positions,
+                                head.mtp.kv, table)
   last = jnp.clip(s.pos - start, 0, CATCH_UP_ROWS - 1)
-  chain, mtp_kv = draft_chain(model, mtp_kv, _at(z, last), _at(y, last), s.pos,
+  chain, mtp_kv = draft_chain(model, mtp_kv, table, _at(z, last), _at(y, last), s.pos,
                               s.draft.shape[1])
   lagging = active & (s.mtp_lag > 0)
   done = lagging & (s.mtp_lag <= CATCH_UP_ROWS)
-  return head.replace(mtp_kv=mtp_kv, slots=s.replace(
+  return head.replace(mtp=head.mtp.replace(kv=mtp_kv), slots=s.replace(
       mtp_lag=jnp.where(lagging, jnp.maximum(s.mtp_lag - CATCH_UP_ROWS, 0), s.mtp_lag),
       draft=jnp.where(done[:, None], chain, s.draft)))

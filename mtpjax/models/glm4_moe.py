@@ -91,18 +91,20 @@ class GlmModel(nnx.Module):
 
   # --- MTP head ----------------------------------------------------------------------------------
 
-  def mtp_rows(self, tokens, prev_hidden, positions, mtp_kv):
+  def mtp_rows(self, tokens, prev_hidden, positions, mtp_kv, page_table=None):
     """MTP rows (token x_p at position p, trunk hidden h_{p-1}) -> (normed draft hidden z, the
     block's output y before the head norm that a draft chain feeds back, new cache).
 
     `prev_hidden` is the trunk hidden AFTER output_norm (zero for row 0), per MODEL.md §7.
-    The NextN block's cache is per slot ([B, S', ...], not paged).
+    The NextN block's cache is a page pool read through the trunk's `page_table` (its rows
+    are the same positions), or per slot without one.
     """
     mtp = self.mtp
     table = mtp.embed if mtp.embed is not None else self.embed
     e = quantized.rows(table, tokens).astype(self.dtype)
     u = jnp.concatenate([mtp.enorm(e), mtp.hnorm(prev_hidden.astype(self.dtype))], axis=-1)
-    y, mtp_kv, _ = mtp.block(mtp.eh_proj(u), AttentionMetadata(positions), mtp_kv)
+    meta = AttentionMetadata(positions, page_table)
+    y, mtp_kv, _ = mtp.block(mtp.eh_proj(u), meta, mtp_kv)
     norm = mtp.head_norm if mtp.head_norm is not None else self.output_norm
     return norm(y), y, mtp_kv
 

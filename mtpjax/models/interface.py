@@ -70,9 +70,11 @@ class CausalLM(Protocol):
     """float32 logits of post-norm hiddens."""
 
   def mtp_rows(self, tokens: jax.Array, prev_hidden: jax.Array, positions: jax.Array,
-               mtp_kv) -> tuple[jax.Array, jax.Array, object]:
+               mtp_kv, page_table: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array, object]:
     """The NextN block over rows (token x_p, post-norm trunk hidden h_{p-1}): its normed
-    output z, its output y before the head norm, and the new MTP cache.
+    output z, its output y before the head norm, and the new MTP cache (a page pool read
+    through the trunk's `page_table`, or per slot without one).
 
     A recursive draft chain feeds y back as the next row's hidden, as vLLM's MTP proposer
     does (`DeepSeekMultiTokenPredictorLayer.forward` returns the residual stream before

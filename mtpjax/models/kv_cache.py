@@ -5,13 +5,13 @@ for MLA's latent rows, `append_rows` for other per-token rows such as the glm-ds
 so a paged layout or a fused kernel is chosen here and nowhere else.
 
 A cache comes in two layouts of the same arrays, chosen by the step's `AttentionMetadata`:
-- paged (`page_table` set; the engine's trunk caches): a pool of fixed-size pages, [P, ...]
-  with R rows on the sequence axis, and a page table [b, max_pages] per slot, so memory
+- paged (`page_table` set; the engine's trunk and NextN caches): a pool of fixed-size
+  pages, [P, ...] with R rows on the sequence axis, and a page table [b, max_pages] per slot, so memory
   follows the tokens held. Row p of a slot lives at row p % R of page table[p // R]. A
   table entry of P (past the pool) is a page not allocated: writes there are dropped (a
   padded prefill tail, a draft row past what the slot holds) and reads, clipped to a real
   page, are masked by position;
-- per slot (`page_table` None; the NextN block's cache, full-forward references): [B, ...]
+- per slot (`page_table` None; full-forward references): [B, ...]
   with rows on a sequence axis; a step may compute only the first b of the B slots.
 The shapes are `gqa_cache_shapes` / `row_cache_shape` for both, pages in place of slots and R
 in place of the length. Rows past a slot's position are stale and masked, which is the whole
@@ -141,11 +141,24 @@ def _row_reader(cache: jax.Array, rows: jax.Array, meta: AttentionMetadata):
     return (lambda first, n: window_rows(seq, first, n, 1).astype(jnp.float32),
             seq.shape[1], cache)
   page_rows = cache.shape[1]
-  pages, offsets = _pages_of(meta, page_rows, cache.shape[0])
-  cache = cache.at[pages, offsets].set(rows.astype(cache.dtype), mode="drop")
+  cache = scatter_rows(cache, rows, meta)
   read = lambda first, n: _gather_pages(cache, meta.page_table, first, n, page_rows).reshape(
       b, n, cache.shape[-1]).astype(jnp.float32)
   return read, sequence_length(cache, meta), cache
+
+
+def scatter_rows(pool: jax.Array, rows: jax.Array, meta: AttentionMetadata) -> jax.Array:
+  """Write rows [b, T, ...] at `meta.positions` into pages [P, R, ...] through the table (a
+  row cache, or the NextN block's history); a row on no page is dropped."""
+  pages, offsets = _pages_of(meta, pool.shape[1], pool.shape[0])
+  return pool.at[pages, offsets].set(rows.astype(pool.dtype), mode="drop")
+
+
+def gather_rows(pool: jax.Array, meta: AttentionMetadata) -> jax.Array:
+  """The rows [b, T, ...] at `meta.positions` of pages [P, R, ...]; a row on no page reads as
+  some page's row (past the slot's position: callers mask or rewrite it)."""
+  pages, offsets = _pages_of(meta, pool.shape[1], pool.shape[0])
+  return pool.at[pages, offsets].get(mode="clip")
 
 
 def _pages_of(meta: AttentionMetadata, page_rows: int, pool_pages: int
