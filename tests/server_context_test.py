@@ -4,9 +4,10 @@ the context, and more concurrent streams than the KV page pool holds at once.
 Two real servers (`python -m mtpjax.serve --config=configs/glm.py`, the shipped demo package
 at its context of 8192) are launched together in setUpModule, so that their compiles overlap
 on a 2-core CPU; each class waits for its own. References are independent of the servers:
-greedy answers from `mtpjax.load(...).generate` in this process with MTP off (the servers
-draft with native MTP), chat prompts rendered by the package's own template, and for the
-streams that share a small page pool, the same request sent alone.
+greedy answers of the package's engine in this process with MTP off, one request alone (the
+long-context server drafts with native MTP), chat prompts rendered by the package's own
+template and tokenizer, and for the streams that share a small page pool, the same request
+sent alone.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ import shutil
 import tempfile
 import threading
 
+import numpy as np
 from absl.testing import absltest
 
 from mtpjax import embedded
 from server_test import ServerProcess, metric, open_clients, package_tokenizer
 
 DEMO_MODEL = "mtpjax-glm-demo"
-LONG_PROMPT_TOKENS = 6000
+LONG_PROMPT_TOKENS = 6100
 NEW_TOKENS = 12
 # PagePoolTest's pool: its 4 slots of the streams below need more pages than it holds, and
 # the largest prefill bucket (64 tokens, 5 pages with its first token) fits for warm-up.
@@ -100,36 +102,47 @@ class LongContextTest(_DemoServerTest):
 
   @classmethod
   def prepare_references(cls):
-    """Greedy answers of one request alone, in this process, with MTP off."""
+    """Greedy answers of one request alone, in this process, with MTP off; one engine at the
+    servers' context serves them all (one compile)."""
     import mtpjax  # jax loads here, while the servers compile
-    model = mtpjax.load(str(embedded.DEMO_PACKAGE))
-    eos = cls.tokenizer.special_ids["eos"]
-    # Real code (the demo was trained on the standard library): 6000 tokens of one module.
-    cls.long_prompt = cls.tokenizer.encode(pathlib.Path(inspect.__file__).read_text())
+    from mtpjax.engine.scheduler import Request, SlotScheduler
+    engine = mtpjax.load(str(embedded.DEMO_PACKAGE)).engine(native_mtp=False, max_len=8192)
+    tokenizer = cls.tokenizer
+
+    def greedy(ids: list[int], stops) -> list[int]:
+      request = Request(prompt=np.asarray(ids, np.int32), max_new_tokens=NEW_TOKENS,
+                        stop_ids=frozenset(stops))
+      return SlotScheduler(engine).run([request])[0].tokens
+
+    # Real code (the demo was trained on the standard library): ~6000 tokens of one module,
+    # a length whose last 256-token chunk fills the largest bucket, like the chats' below.
+    cls.long_prompt = tokenizer.encode(pathlib.Path(inspect.__file__).read_text())
     cls.long_prompt = cls.long_prompt[:LONG_PROMPT_TOKENS]
     assert len(cls.long_prompt) == LONG_PROMPT_TOKENS
-    result = model.generate(cls.long_prompt, max_new_tokens=NEW_TOKENS, stop_ids=[eos],
-                            speculative="disabled")
-    cls.long_reference = [int(t) for t in result.tokens]
+    cls.long_reference = greedy(cls.long_prompt, [tokenizer.special_ids["eos"]])
     # The chat, then its next turn built on the reference's reply (the server's must equal it).
-    first = model.chat(twenty_turn_chat(), max_new_tokens=NEW_TOKENS, speculative="disabled")
-    extended = twenty_turn_chat() + [{"role": "assistant", "content": first.text},
-                                     {"role": "user", "content": "And the tests for it?"}]
-    second = model.chat(extended, max_new_tokens=NEW_TOKENS, speculative="disabled")
-    cls.chat_references = [(twenty_turn_chat(), first), (extended, second)]
+    cls.chat_references = []
+    messages = twenty_turn_chat()
+    for follow_up in (None, "And the tests for it?"):
+      if follow_up is not None:
+        messages = messages + [{"role": "assistant", "content": cls.chat_references[-1][1]},
+                               {"role": "user", "content": follow_up}]
+      ids = tokenizer.encode(cls.template.render(messages, add_generation_prompt=True))
+      tokens = greedy(ids, tokenizer.stop_ids)
+      cls.chat_references.append((messages, shown(tokenizer, tokens, tokenizer.stop_ids),
+                                  len(ids), len(tokens)))
 
   def chat_ids(self, messages) -> list[int]:
     return self.tokenizer.encode(self.template.render(messages, add_generation_prompt=True))
 
-  def assert_chat_reply_equals(self, messages, reference):
+  def assert_chat_reply_equals(self, messages, text, prompt_tokens, completion_tokens):
     reply = self.client.chat.completions.create(model=DEMO_MODEL, messages=messages,
                                                 max_tokens=NEW_TOKENS)
-    self.assertEqual(reply.choices[0].message.content, reference.text)
-    self.assertEqual(reply.usage.prompt_tokens, len(self.chat_ids(messages)))
-    self.assertEqual(reply.usage.prompt_tokens, reference.prompt_tokens)
-    self.assertEqual(reply.usage.completion_tokens, len(reference.tokens))
+    self.assertEqual(reply.choices[0].message.content, text)
+    self.assertEqual((reply.usage.prompt_tokens, reply.usage.completion_tokens),
+                     (prompt_tokens, completion_tokens))
 
-  def test_a_6000_token_prompt_equals_the_reference(self):
+  def test_a_6100_token_prompt_equals_the_reference(self):
     eos = self.tokenizer.special_ids["eos"]
     reply = self.client.completions.create(model=DEMO_MODEL, prompt=self.long_prompt,
                                            max_tokens=NEW_TOKENS)
@@ -138,11 +151,12 @@ class LongContextTest(_DemoServerTest):
     self.assertEqual(reply.choices[0].text, shown(self.tokenizer, self.long_reference, {eos}))
 
   def test_a_twenty_turn_chat_equals_the_reference_and_its_next_turn_reuses_the_prefix(self):
-    (messages, first), (extended, second) = self.chat_references
+    first, second = self.chat_references
+    messages, extended = first[0], second[0]
     self.assertEqual(sum(m["role"] == "user" for m in messages), 20)
-    self.assert_chat_reply_equals(messages, first)
+    self.assert_chat_reply_equals(*first)
     before = self.metrics()
-    self.assert_chat_reply_equals(extended, second)
+    self.assert_chat_reply_equals(*second)
     after = self.metrics()
     # The whole 256-token pages the two renders share came from the prefix cache.
     common = len(os.path.commonprefix([self.chat_ids(messages), self.chat_ids(extended)]))
@@ -179,7 +193,7 @@ class PagePoolTest(_DemoServerTest):
            "--config.engine.prefill_buckets=(16,32,64)")
 
   def request(self, i: int) -> tuple[str, dict]:
-    """The i-th of 32 requests: chat and completions, greedy and seeded sampling, 16-32
+    """The i-th of 16 requests: chat and completions, greedy and seeded sampling, 16-32
     tokens."""
     body = {"model": DEMO_MODEL, "max_tokens": 16 + 8 * (i % 3)}
     if i % 2:
@@ -208,9 +222,9 @@ class PagePoolTest(_DemoServerTest):
     return "".join(text), usage["completion_tokens"]
 
   def test_64_streams_over_a_small_pool_equal_their_solo_answers(self):
-    distinct = [self.request(i) for i in range(32)]
-    alone = [self.text_of(path, body) for path, body in distinct] * 2
-    requests = distinct * 2                   # each twice at once, in different slots
+    distinct = [self.request(i) for i in range(16)]
+    alone = [self.text_of(path, body) for path, body in distinct] * 4
+    requests = distinct * 4                   # each four times at once, in different slots
     rows = [len(self.tokenizer.encode(body["prompt"])) + body["max_tokens"] + 1
             for path, body in requests if "prompt" in body]
     fewest = -(-min(rows) // KV_PAGE)                  # pages a request reserves
