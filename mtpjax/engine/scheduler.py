@@ -71,6 +71,7 @@ class Result:
   time_to_first_token_s: float
   total_time_s: float
   logprobs: list[TokenLogprob] | None = None      # one per token, when the request asked
+  cached_tokens: int = 0           # prompt tokens taken from the prefix cache, not prefilled
 
 
 @dataclasses.dataclass
@@ -82,6 +83,7 @@ class _Live:
   logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
   counts: dict = dataclasses.field(default_factory=lambda: collections.Counter())
   first_token_s: float = 0.0
+  cached_tokens: int = 0
   recent: collections.deque = dataclasses.field(default_factory=collections.deque)
   paused_steps: int = 0           # steps left without drafting
   backoff: int = 1                # the next pause is cooldown x backoff steps
@@ -264,7 +266,7 @@ class SlotScheduler:
     positions = self.engine.engine_cfg.draft_tokens if self.drafter else self.window.max
     live = _Live(request=request, done=pending.done, started=pending.started,
                  window=self.window.initial, verified_at=[0] * positions,
-                 accepted_at=[0] * positions)
+                 accepted_at=[0] * positions, cached_tokens=pending.job.cached)
     live.counts["target_passes"] += 1
     live.counts["committed_tokens"] += 1
     first = int(np.asarray(prefix.current)[0])
@@ -326,7 +328,8 @@ class SlotScheduler:
                      prompt_tokens=len(live.request.prompt),
                      time_to_first_token_s=live.first_token_s,
                      total_time_s=time.perf_counter() - live.started,
-                     logprobs=live.logprobs if live.request.logprobs else None))
+                     logprobs=live.logprobs if live.request.logprobs else None,
+                     cached_tokens=live.cached_tokens))
 
   def step(self) -> None:
     """Admit waiting requests, then advance every live slot by one engine step."""

@@ -119,6 +119,7 @@ def build_service(config) -> Service:
                  seeds=random.Random(config.engine.seed), limits=limits,
                  admission=Admission(settings.slots, limits),
                  prompts=PromptBuilder(tokenizer, chat_template),
+                 engine_cfg=engine.engine_cfg,
                  draft_tokens=engine.engine_cfg.draft_tokens if engine.engine_cfg.drafts else 0)
 
 

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from mtpjax import errors
+from mtpjax.engine.contract import EngineConfig
 from mtpjax.engine.scheduler import Request
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.gguf.tokenizer import GgufTokenizer
@@ -66,6 +67,7 @@ class Service:
   limits: ServerLimits
   admission: Admission
   prompts: PromptBuilder          # template rendering and tokenization, off the event loop
+  engine_cfg: EngineConfig        # the KV page pool a request must fit (`check_fits`)
   draft_tokens: int = 0           # the most drafts a step verifies, any strategy (0: none)
   created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -225,6 +227,10 @@ class _Routes:
       raise ApiError(400, f"{budget_param} = {budget} does not fit: the context length is "
                      f"{s.max_len} tokens and the prompt uses {n}; ask for at most {room}",
                      param=budget_param, code="context_length_exceeded")
+    try:   # refused here, as a 400: in the engine thread it would fail as an engine failure
+      s.engine_cfg.check_fits(n, budget)
+    except errors.KvPagesError as e:
+      raise ApiError(400, str(e), param=budget_param, code="kv_pages_exceeded") from None
     extra_ids = list(body.stop_token_ids or ())
     self._check_ids(extra_ids, "stop_token_ids")
     top_k = s.defaults.top_k if body.top_k is None else max(body.top_k, 0)

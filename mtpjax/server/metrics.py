@@ -79,6 +79,9 @@ class ServerMetrics:
         "mtpjax_requests_in_flight", "requests queued or generating", registry=r)
     self.prompt_tokens = prometheus_client.Counter(
         "mtpjax_prompt_tokens", "prompt tokens of submitted requests", registry=r)
+    self.cached_prompt_tokens = prometheus_client.Counter(
+        "mtpjax_prompt_cached_tokens", "prompt tokens of finished requests taken from the "
+        "prefix cache instead of prefilled (engine.prefix_cache)", registry=r)
     self.generation_tokens = prometheus_client.Counter(
         "mtpjax_generation_tokens", "generated tokens", registry=r)
     self.ttft = prometheus_client.Histogram(
@@ -127,6 +130,7 @@ class ServerMetrics:
     self.requests.labels(generation.label, finished.finish_reason).inc()
     end = generation.finished_at
     self.duration.observe(end - generation.arrived)
+    self.cached_prompt_tokens.inc(finished.result.cached_tokens)
     first = generation.first_token_at
     if first is not None:
       self.ttft.observe(first - generation.arrived)
