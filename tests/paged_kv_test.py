@@ -12,7 +12,7 @@ from absl.testing import absltest, parameterized
 
 import mtpjax
 from mtpjax import errors
-from mtpjax.engine.contract import committed_tokens
+from mtpjax.engine.contract import committed_tokens, warm_up
 from mtpjax.engine.page_pool import PageList, PagePool
 from mtpjax.engine.prefix_cache import PrefixCache
 from mtpjax.engine.sampling import SamplerParams
@@ -216,7 +216,9 @@ class PagedEngineTest(parameterized.TestCase):
     self.assertEqual(tokens, np.argmax(model.logits(sequence), -1)[len(second) - 1:].tolist())
 
   def test_a_request_that_never_fits_is_refused(self):
-    scheduler = SlotScheduler(self.engine("glm4moe", kv_pages=4), adaptive=None)
+    engine = self.engine("glm4moe", kv_pages=2)
+    warm_up(engine)       # a pool that holds one short request is enough to compile for it
+    scheduler = SlotScheduler(engine, adaptive=None)
     with self.assertRaises(errors.KvPagesError) as caught:
       scheduler.submit(Request(prompt=np.ones(10, np.int32), max_new_tokens=200), lambda r: r)
     self.assertEqual(caught.exception.field, "engine.kv_pages")

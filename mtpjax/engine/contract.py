@@ -269,11 +269,17 @@ def warm_up(engine: DecodeEngine) -> None:
       state = engine.insert(engine.prefill(np.zeros(bucket - 1, np.int32), SamplerParams(),
                                            state=state), state, 0)
   drafts = np.zeros((ec.slots, ec.draft_tokens), np.int32) if ec.host_drafts else None
+  # Each schedule's slot gives its pages back after its steps, so the warm-up needs no more of
+  # a small KV pool than one short request does.
+  state = engine.free(state, 0)
   for reach in engine.warm_up_schedule():
     if not ec.drafts:
       state, _, _ = engine.step(state, reach)
-      continue
-    for window in ec.window_buckets + (0,):    # every window bucket, then a plain step
-      state, _, _ = engine.step(state, reach, np.full(ec.slots, window, np.int32), drafts=drafts)
-    if ec.native_mtp:
-      state = engine.catch_up(state, reach)   # the missing MTP rows, before drafting again
+    else:
+      for window in ec.window_buckets + (0,):    # every window bucket, then a plain step
+        state, _, _ = engine.step(state, reach, np.full(ec.slots, window, np.int32),
+                                  drafts=drafts)
+      if ec.native_mtp:
+        state = engine.catch_up(state, reach)   # the missing MTP rows, before drafting again
+    for slot in np.flatnonzero(reach):
+      state = engine.free(state, int(slot))

@@ -302,8 +302,10 @@ class Engine:
 
   def free(self, state: EngineState, slot: int) -> EngineState:
     """Release a finished slot: its pages go back to the pool (their rows need no clearing:
-    a sequence's rows past its position are masked); a freed slot owes no catch-up."""
+    a sequence's rows past its position are masked); a freed slot owes no catch-up and holds
+    no position."""
     state.pages.free_slot(slot)
+    state.positions[slot] = 0
     if state.mtp_lag is not None:
       g, local_slot = self._group_of(slot)
       state.mtp_lag[g][local_slot] = 0
