@@ -115,12 +115,10 @@ def build_service(config) -> Service:
   return Service(model_name=model_name, settings=settings, resolution=resolution,
                  tokenizer=tokenizer, worker=worker,
                  metrics=metrics, defaults=defaults, max_prompt_tokens=max_prompt,
-                 top_logprobs=engine.engine_cfg.logprobs,
                  seeds=random.Random(config.engine.seed), limits=limits,
                  admission=Admission(settings.slots, limits),
                  prompts=PromptBuilder(tokenizer, chat_template),
-                 engine_cfg=engine.engine_cfg,
-                 draft_tokens=engine.engine_cfg.draft_tokens if engine.engine_cfg.drafts else 0)
+                 engine_cfg=engine.engine_cfg)
 
 
 class _Server(uvicorn.Server):

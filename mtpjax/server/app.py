@@ -62,18 +62,26 @@ class Service:
   metrics: ServerMetrics
   defaults: SamplingDefaults
   max_prompt_tokens: int
-  top_logprobs: int               # alternatives per token the engine computes (0: no logprobs)
   seeds: random.Random            # seeds for requests that do not give one (config.engine.seed)
   limits: ServerLimits
   admission: Admission
   prompts: PromptBuilder          # template rendering and tokenization, off the event loop
-  engine_cfg: EngineConfig        # the KV page pool a request must fit (`check_fits`)
-  draft_tokens: int = 0           # the most drafts a step verifies, any strategy (0: none)
+  engine_cfg: EngineConfig        # the engine's: its KV page pool, logprobs and draft window
   created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
   @property
   def max_len(self) -> int:
     return self.settings.max_len
+
+  @property
+  def top_logprobs(self) -> int:
+    """Alternatives per token the engine computes (0: no logprobs)."""
+    return self.engine_cfg.logprobs
+
+  @property
+  def draft_tokens(self) -> int:
+    """The most drafts a step verifies, any strategy (0: none)."""
+    return self.engine_cfg.draft_tokens if self.engine_cfg.drafts else 0
 
   def model_card(self) -> dict[str, Any]:
     r = self.resolution
