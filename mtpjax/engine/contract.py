@@ -174,7 +174,8 @@ class EngineConfig:
     if self.page % self.kv_page:
       raise errors.MtpjaxError(
           f"a prefill chunk of {self.page} rows is not whole pages of {self.kv_page}",
-          field="engine.kv_page", remedy="choose a kv_page no larger than the smallest bucket")
+          field="engine.kv_page",
+          remedy="choose a kv_page that divides the largest prefill bucket")
     if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
       raise errors.SpeculativeConfigError(
           f"draft_tokens must be in 1..{MAX_DRAFT_TOKENS}, got {self.draft_tokens}",

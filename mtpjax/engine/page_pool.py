@@ -22,6 +22,7 @@ what a slot holds and the rows of computed but empty slots cost nothing.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from typing import Callable
 
 import numpy as np
@@ -43,7 +44,7 @@ class PagePool:
     self.page_rows = page_rows
     self.max_pages = max_pages
     self.refs = np.zeros(pages, np.int32)
-    self._free = list(range(pages - 1, -1, -1))     # popped from the end: lowest id first
+    self._free = list(range(pages))                 # a heap: the lowest free id first
     self.reserved = 0                               # pages promised, not yet taken
     self.slots = [PageList() for _ in range(slots)]
     self.table = np.full((slots, max_pages), pages, np.int32)
@@ -59,6 +60,10 @@ class PagePool:
   def available(self) -> int:
     """Free pages no reservation has promised."""
     return len(self._free) - self.reserved
+
+  def _pages_for(self, rows: int) -> int:
+    """Pages holding a sequence's first `rows` rows (at most a whole table)."""
+    return min(-(-rows // self.page_rows), self.max_pages)
 
   def row(self, held: PageList) -> np.ndarray:
     """A sequence's page table row [max_pages] (pages not allocated: `pages`)."""
@@ -77,8 +82,9 @@ class PagePool:
   def drop(self, pages: list[int]) -> None:
     """One reference fewer on each page; a page nothing refers to is free again."""
     np.add.at(self.refs, pages, -1)
-    self._free.extend(sorted((p for p in set(pages) if self.refs[p] == 0), reverse=True))
-    self._free.sort(reverse=True)
+    for page in set(pages):
+      if self.refs[page] == 0:
+        heapq.heappush(self._free, page)
 
   def reserve(self, held: PageList, count: int) -> bool:
     """Promise `held` `count` more pages, reclaiming unused cached prefixes if needed; False
@@ -93,7 +99,7 @@ class PagePool:
   def grow(self, held: PageList, rows: int) -> bool:
     """Give `held` the pages for its first `rows` rows (at most a whole table), from its
     reservation first; True when its pages changed."""
-    need = min(-(-rows // self.page_rows), self.max_pages) - len(held.pages)
+    need = self._pages_for(rows) - len(held.pages)
     for _ in range(need):
       if held.reserved:
         held.reserved -= 1
@@ -104,7 +110,7 @@ class PagePool:
             field="engine.kv_pages",
             remedy="raise engine.kv_pages, or admit requests through the scheduler, whose "
             "reservations never run out")
-      page = self._free.pop()
+      page = heapq.heappop(self._free)
       self.refs[page] += 1
       held.pages.append(page)
     return need > 0
@@ -134,11 +140,12 @@ class PagePool:
     reservation or unpromised free pages allow (no reclaim, no error): the NextN block's rows
     run ahead of the trunk's, and a row past every page its request can reach only drafts a
     position past the request's end, so it may be dropped."""
-    held = self.slots[slot]
+    held, wanted = self.slots[slot], self._pages_for(rows + ahead)
+    if len(held.pages) >= wanted:
+      return       # every step but about one in `page_rows`: the pages are there already
     grown = self.grow(held, rows)
-    spare = held.reserved + max(self.available, 0)
-    wanted = min(-(-(rows + ahead) // self.page_rows), self.max_pages) - len(held.pages)
-    if min(wanted, spare) > 0:
-      grown |= self.grow(held, (len(held.pages) + min(wanted, spare)) * self.page_rows)
+    extra = min(wanted - len(held.pages), held.reserved + max(self.available, 0))
+    if extra > 0:
+      grown |= self.grow(held, (len(held.pages) + extra) * self.page_rows)
     if grown:
       self.table[slot] = self.row(held)

@@ -31,6 +31,7 @@ class PrefixCache:
     pool.reclaim = self._reclaim
     self._entries: collections.OrderedDict[bytes, tuple[list[int], object]] = (
         collections.OrderedDict())
+
   def page_keys(self, prompt: np.ndarray) -> list[tuple[int, bytes]]:
     """(tokens, key) of each whole-page prefix that leaves at least one token of the prompt
     to prefill (the last chunk samples from the prompt's last token)."""
