@@ -466,8 +466,8 @@ class MtpEngineTest(parameterized.TestCase):
                             (False, "decode", 2), (True, "verify_draft", 2))
   def test_one_slot_steps_write_their_caches_in_place(self, native_mtp, step, slots):
     """No compiled one-slot step copies a whole KV cache, in a one-slot engine or over the
-    first of two slots. With one slot XLA:CPU used to copy every cache four times per decode
-    or plain step (see `layers.write_head_rows`)."""
+    first of two slots. With one slot XLA:CPU used to copy every per-slot cache four times
+    per decode or plain step, and the donated NextN pools once paired with the trunk's."""
     engine = self.model.engine(native_mtp=native_mtp, slots=slots, max_len=self.MAX_LEN,
                                prefill_buckets=(16,))
     state = engine.init_state()

@@ -11,8 +11,8 @@ A cache comes in two layouts of the same arrays, chosen by the step's `Attention
   table entry of P (past the pool) is a page not allocated: writes there are dropped (a
   padded prefill tail, a draft row past what the slot holds) and reads, clipped to a real
   page, are masked by position;
-- per slot (`page_table` None; full-forward references): [B, ...]
-  with rows on a sequence axis; a step may compute only the first b of the B slots.
+- per slot (`page_table` None; full forwards and their references): [B, ...] with rows on a
+  sequence axis.
 The shapes are `gqa_cache_shapes` / `row_cache_shape` for both, pages in place of slots and R
 in place of the length. Rows past a slot's position are stale and masked, which is the whole
 rollback mechanism of speculative decoding: a rejected draft's rows are rewritten before
@@ -56,64 +56,11 @@ def tiles_blocks(page_rows: int) -> bool:
 
 def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array,
                seq_axis: int = 1) -> jax.Array:
-  """Write `rows` into `cache` at per-slot row `start` [b] along `seq_axis`.
-
-  `rows` may cover only the first b of the cache's B slots (an engine stepping the slots that
-  hold requests); the other slots then get a zero row at 0, which is harmless because a slot
-  past the live ones is free and admission rewrites it whole.
-  """
-  pad = cache.shape[0] - rows.shape[0]
-  if pad:
-    rows = jnp.pad(rows, [(0, pad)] + [(0, 0)] * (rows.ndim - 1))
-    start = jnp.pad(start, (0, pad))
-  axis = seq_axis - 1
-  count = rows.shape[seq_axis]
-  def one(c, r, s):
-    r = r.astype(c.dtype)
-    if count >= PREFILL_ROWS:
-      r, s = _clipped_at_end(c, r, s, axis)
-    return jax.lax.dynamic_update_slice_in_dim(c, r, s, axis=axis)
-  return jax.vmap(one)(cache, rows, start)
-
-
-# Writes of at least this many rows are prefill chunks (the smallest bucket is 16 rows), whose
-# padded tail may run past the cache end; a step's few rows never do (a sequence ends first).
-PREFILL_ROWS = 16
-
-
-def _clipped_at_end(cache: jax.Array, rows: jax.Array, start: jax.Array, axis: int):
-  """(rows, start) that write rows[i] at start + i while that is inside the cache and drop the
-  rest. dynamic_update_slice would instead move the whole write back to fit, over valid rows:
-  here the write moves back by the overflow d, its first d rows keep the cache's own rows and
-  the others are `rows` shifted by d."""
-  length, count = cache.shape[axis], rows.shape[axis]
-  fitted = jnp.clip(start, 0, length - count)
-  overflow = start - fitted
-  kept = jax.lax.dynamic_slice_in_dim(cache, fitted, count, axis=axis)
-  index = jnp.arange(count) - overflow
-  shifted = jnp.take(rows, jnp.clip(index, 0, count - 1), axis=axis)
-  mask = (index >= 0).reshape((1,) * axis + (count,) + (1,) * (rows.ndim - axis - 1))
-  return jnp.where(mask, shifted, kept), fitted
-
-
-def live_slots(cache: jax.Array, batch: int) -> jax.Array:
-  """The first `batch` slots of a cache: what a step over fewer slots than the cache reads."""
-  return cache if cache.shape[0] == batch else cache[:batch]
-
-
-def write_head_rows(cache: jax.Array, rows: jax.Array, start: jax.Array,
-                    seq_axis: int) -> jax.Array:
-  """`write_rows` for a per-head cache [B, Hkv, ...], written as B * Hkv single-head caches.
-
-  Why: with one slot, writing the row through the [B, ...] view makes XLA:CPU duplicate the
-  write into the attention's read of the cache (the batch dimension is degenerate there), and
-  every cache is then copied four times a step. Through the merged view the write stays in
-  place at any slot count.
-  """
-  heads = cache.shape[1]
-  merge = lambda a: a.reshape((a.shape[0] * heads,) + a.shape[2:])
-  written = write_rows(merge(cache), merge(rows), jnp.repeat(start, heads), seq_axis - 1)
-  return written.reshape(cache.shape)
+  """Write `rows` into a per-slot `cache` at per-slot row `start` [B] along `seq_axis` (a full
+  forward's caches: one slot per sequence, every row inside the cache)."""
+  put = lambda c, r, s: jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), s,
+                                                            axis=seq_axis - 1)
+  return jax.vmap(put)(cache, rows, start)
 
 
 def append_rows(cache: jax.Array, rows: jax.Array, meta: AttentionMetadata
@@ -137,7 +84,7 @@ def _row_reader(cache: jax.Array, rows: jax.Array, meta: AttentionMetadata):
   b = rows.shape[0]
   if meta.page_table is None:
     cache = write_rows(cache, rows, meta.positions[:, 0])
-    seq = live_slots(cache, b)[:, :, 0]
+    seq = cache[:, :, 0]
     return (lambda first, n: window_rows(seq, first, n, 1).astype(jnp.float32),
             seq.shape[1], cache)
   page_rows = cache.shape[1]
@@ -206,21 +153,20 @@ def attention(cache: tuple[jax.Array, jax.Array], q: jax.Array, k: jax.Array, v:
   positions = meta.positions
   k_cache, v_cache = cache
   start = positions[:, 0]
-  k_cache = write_head_rows(k_cache, k.transpose(0, 2, 1, 3), start, seq_axis=2)
-  v_cache = write_head_rows(v_cache, v.transpose(0, 2, 3, 1), start, seq_axis=3)
+  k_cache = write_rows(k_cache, k.transpose(0, 2, 1, 3), start, seq_axis=2)
+  v_cache = write_rows(v_cache, v.transpose(0, 2, 3, 1), start, seq_axis=3)
   b, t, h, hd = q.shape
-  keys, values = live_slots(k_cache, b), live_slots(v_cache, b)
-  hkv, vd = keys.shape[1], values.shape[2]
+  hkv, vd = k_cache.shape[1], v_cache.shape[2]
   dtype = q.dtype
   q = q.reshape(b, t, hkv, h // hkv, hd).astype(jnp.float32) / jnp.sqrt(jnp.float32(hd))
   rows = lambda cache, first, n, axis: window_rows(cache, first, n, axis).astype(jnp.float32)
   out = blockwise.attend(
-      lambda first, n: jnp.einsum("btkgd,bksd->bkgts", q, rows(keys, first, n, 2)),
+      lambda first, n: jnp.einsum("btkgd,bksd->bkgts", q, rows(k_cache, first, n, 2)),
       lambda first, n: _causal(first, n, positions),
       # Summed straight into [b, T, k, g, vd]: a transpose after it makes XLA:CPU copy the
       # key cache of a one-slot step.
-      lambda first, n, probs: jnp.einsum("bkgts,bkds->btkgd", probs, rows(values, first, n, 3)),
-      positions, keys.shape[2], align=lambda a: a.transpose(0, 3, 1, 2))
+      lambda first, n, probs: jnp.einsum("bkgts,bkds->btkgd", probs, rows(v_cache, first, n, 3)),
+      positions, k_cache.shape[2], align=lambda a: a.transpose(0, 3, 1, 2))
   return out.reshape(b, t, h, vd).astype(dtype), (k_cache, v_cache)
 
 
