@@ -1,12 +1,14 @@
-"""Shared test setup: simulated CPU devices must be configured before jax is imported, and
-each module's compiled programs are released after it."""
+"""Shared test setup: simulated CPU devices and fast compiles (`xla_flags.py`) must be
+configured before jax is imported, and each module's compiled programs are released after it."""
 
 import gc
 import inspect
 import os
 import unittest
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+import xla_flags
+
+os.environ.setdefault("XLA_FLAGS", xla_flags.for_tests())
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  (after the flags above)

@@ -14,6 +14,7 @@ import tempfile
 import textwrap
 
 from absl.testing import absltest
+import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,7 +62,7 @@ class MultiHostTest(absltest.TestCase):
     port = _free_port()
     procs = []
     for pid in range(2):
-      env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+      env = dict(os.environ, XLA_FLAGS=xla_flags.for_tests(devices=2),
                  JAX_PLATFORMS="cpu", COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                  NUM_PROCESSES="2", PROCESS_ID=str(pid),
                  PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))

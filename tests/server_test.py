@@ -30,6 +30,8 @@ import openai
 from absl.testing import absltest, parameterized
 from prometheus_client.parser import text_string_to_metric_families
 
+import xla_flags
+
 from mtpjax import embedded, runtime_options
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.engine.scheduler import Request, SlotScheduler
@@ -48,8 +50,11 @@ _STARTUP_TIMEOUT_S = 600
 class ServerProcess:
   """`python -m mtpjax.serve` with its output in a log file (a pipe could fill and block it)."""
 
-  def __init__(self, cache_dir: str, log_path: pathlib.Path, *flags: str, tiny: bool = True):
-    """`tiny`: serve the generated tiny model; otherwise the config's own default model."""
+  def __init__(self, cache_dir: str, log_path: pathlib.Path, *flags: str, tiny: bool = True,
+               optimized: bool = False):
+    """`tiny`: serve the generated tiny model; otherwise the config's own default model.
+    `optimized`: compile at XLA's default optimization, as users run it, not the tests' fast
+    compiles."""
     self.log_path = log_path
     self._log = open(log_path, "wb")
     model_flags = ([f"--config.model.source={embedded_tiny.TINY_SOURCE}",
@@ -58,7 +63,8 @@ class ServerProcess:
         [sys.executable, "-m", "mtpjax.serve", "--config=configs/glm.py", *model_flags,
          f"--config.cache_dir={cache_dir}", "--config.server.port=0", *flags],
         cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
+        env={**(xla_flags.production_env(os.environ) if optimized else os.environ),
+             "PYTHONPATH": str(REPO)})
     self.url = None
 
   def log(self) -> str:
