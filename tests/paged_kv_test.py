@@ -216,8 +216,10 @@ class PagedEngineTest(parameterized.TestCase):
     self.assertEqual(tokens, np.argmax(model.logits(sequence), -1)[len(second) - 1:].tolist())
 
   def test_a_request_that_never_fits_is_refused(self):
-    engine = self.engine("glm4moe", kv_pages=2)
-    warm_up(engine)       # a pool that holds one short request is enough to compile for it
+    # A pool that holds one short request is enough to compile for it; two slots (MTP off
+    # compiles least) are enough for warm-up to step one slot while another holds a prefill.
+    engine = self.engine("glm4moe", kv_pages=2, slots=2, native_mtp=False)
+    warm_up(engine)
     scheduler = SlotScheduler(engine, adaptive=None)
     with self.assertRaises(errors.KvPagesError) as caught:
       scheduler.submit(Request(prompt=np.ones(10, np.int32), max_new_tokens=200), lambda r: r)
