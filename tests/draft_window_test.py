@@ -1,9 +1,8 @@
 """Multi-token native MTP drafts: every draft window gives exactly the tokens of MTP off.
 
 On glm4moe, deepseek2 (MLA) and glm-dsa tiny models, greedy and sampled (temperature 0.8, top-p
-0.9), against the same model with MTP off: on one device for windows k = 1..5 (fixed) and an
-adaptive window, over a 2-stage pipeline for k = 3 and an adaptive window (the pipeline adds
-only the hops of k + 1 rows and of the drafts, whatever k is; k = 1 runs in pipeline_test).
+0.9), against the same model with MTP off: on one device and over a 2-stage pipeline, for
+windows k = 1..5 (fixed) and an adaptive window.
 The glm4moe model's NextN block copies the trunk (`mtp_copies_trunk`), so its chains are mostly
 accepted at every depth; the fixtures' random heads are mostly rejected, so both outcomes run
 through the caches. One engine per model and stage count serves every window, compiled by
@@ -71,22 +70,22 @@ def requests(vocab: int) -> list[Request]:
 class DraftWindowEquivalenceTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
-      ("glm4moe_one_device", "glm4moe", 1, range(1, MAX_DRAFT + 1)),
-      ("deepseek2_one_device", "deepseek2", 1, range(1, MAX_DRAFT + 1)),
-      ("glm_dsa_one_device", "glm-dsa", 1, range(1, MAX_DRAFT + 1)),
-      ("glm4moe_two_stages", "glm4moe", 2, (3,)),
-      ("deepseek2_two_stages", "deepseek2", 2, (3,)),
-      ("glm_dsa_two_stages", "glm-dsa", 2, (3,)))
-  def test_every_window_gives_the_tokens_of_mtp_off(self, arch, stages, fixed):
+      ("glm4moe_one_device", "glm4moe", 1),
+      ("deepseek2_one_device", "deepseek2", 1),
+      ("glm_dsa_one_device", "glm-dsa", 1),
+      ("glm4moe_two_stages", "glm4moe", 2),
+      ("deepseek2_two_stages", "deepseek2", 2),
+      ("glm_dsa_two_stages", "glm-dsa", 2))
+  def test_every_window_gives_the_tokens_of_mtp_off(self, arch, stages):
     model, expected = loaded(arch, stages)
     vocab = model.config.vocab_size
     self.assertEqual([len(t) for t in expected], [NEW_TOKENS] * 2)
-    top = max(fixed)
+    top = MAX_DRAFT
     engine = model.engine(native_mtp=True, draft_tokens=top, slots=slots(stages), **ENGINE)
     warm_up(engine)     # every window bucket: no window below compiles anything
     traces = dict(engine.trace_counts)
     self.assertEqual(traces["verify_draft"], len(engine.engine_cfg.window_buckets) * stages)
-    windows = [DraftWindow.fixed(k) for k in fixed]
+    windows = [DraftWindow.fixed(k) for k in range(1, top + 1)]
     windows.append(DraftWindow(1, 2, top, adaptive=True))
     deep_accepts = 0
     for window in windows:
