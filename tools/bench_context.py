@@ -9,8 +9,9 @@
 directory: the first start compiles everything, the second loads the compiled steps from the
 persistent compilation cache (`warm_start.py`).
 `steps`: decode step time at 128 ... 32K tokens held, blockwise attention vs reading the
-whole cache, and the cache bytes per slot. `ttft`: time to first token of a 2,000-token prompt
-cold and with its first 1,900 tokens shared with an earlier prompt (prefix cache).
+whole cache, the KV pool's bytes and the bytes of the pages the slot holds at each point.
+`ttft`: time to first token of a 2,000-token prompt cold and with its first 1,900 tokens
+shared with an earlier prompt (prefix cache; one scheduler, whose engine state holds it).
 `stall`: a stream decodes while a prompt of --long_prompt tokens arrives; reports the longest
 gap between the stream's tokens with the long prompt's chunks interleaved with decode steps,
 and with its whole prefill run at once.
@@ -128,7 +129,10 @@ def measure_steps() -> dict:
   active = np.ones(1, bool)
   out = {"mode": "steps", "max_len": engine_cfg.max_len, "held": held}
   state = engines["blockwise"].init_state()
-  out["cache_bytes_per_slot"] = sum(a.nbytes for a in jax.tree.leaves(state.kv))
+  pool_bytes = sum(a.nbytes for a in jax.tree.leaves(state.kv))
+  out["kv_pool_bytes"] = pool_bytes
+  page_bytes = pool_bytes / engine_cfg.pool_pages
+  out["kv_bytes_held"] = []          # the pages the slot holds at each point, in bytes
   for name, engine in engines.items():
     out[f"{name}_step_ms"] = []
   for tokens in held:
@@ -146,6 +150,8 @@ def measure_steps() -> dict:
         state, _, _ = engine.step(state, active)
         times.append(time.perf_counter() - started)
       median = float(np.median(times)) * 1e3
+      if name == "blockwise" and len(out["kv_bytes_held"]) == held.index(tokens):
+        out["kv_bytes_held"].append(int(len(state.pages.slots[0].pages) * page_bytes))
       series = out[f"{name}_step_ms"]
       if len(series) == held.index(tokens) + 1:
         series[-1] = round(min(series[-1], median), 3)
@@ -168,17 +174,20 @@ def measure_ttft() -> dict:
   rng = np.random.default_rng(1)
   vocab = model.config.vocab_size
   size, shared = _LONG_PROMPT.value, _SHARED.value
-  cold, cached = [], []
+  times = {"cold": [], "cached": []}
+  reused = {"cold": [], "cached": []}     # prompt tokens each took from the prefix cache
+  scheduler = SlotScheduler(engine)     # its engine state holds the prefix cache
   for _ in range(_ROUNDS.value):
     first = rng.integers(0, vocab, size=size).astype(np.int32)
     second = np.concatenate([first[:shared], rng.integers(0, vocab, size - shared)]).astype(
         np.int32)
-    for prompt, times in ((first, cold), (second, cached)):
-      result = SlotScheduler(engine).run([Request(prompt=prompt, max_new_tokens=1)])[0]
-      times.append(result.time_to_first_token_s)
-  cold_s, cached_s = float(np.median(cold)), float(np.median(cached))
+    for prompt, kind in ((first, "cold"), (second, "cached")):
+      result = scheduler.run([Request(prompt=prompt, max_new_tokens=1)])[0]
+      times[kind].append(result.time_to_first_token_s)
+      reused[kind].append(result.cached_tokens)
+  cold_s, cached_s = float(np.median(times["cold"])), float(np.median(times["cached"]))
   return {"mode": "ttft", "prompt_tokens": size, "shared_tokens": shared,
-          "cached_tokens": (shared // engine.engine_cfg.page) * engine.engine_cfg.page,
+          "cached_tokens": min(reused["cached"]), "cold_cached_tokens": max(reused["cold"]),
           "cold_ttft_s": round(cold_s, 4), "cached_ttft_s": round(cached_s, 4),
           "cached_over_cold": round(cached_s / cold_s, 3)}
 
