@@ -1,6 +1,7 @@
-"""`tools/bench_context.py --modes=ttft` measures what it says: its cached prompt's whole
-chunks come from the prefix cache, its cold prompt's from nowhere (the benchmark once built a
-scheduler, and with it an empty prefix cache, per request, and timed two cold prefills)."""
+"""`tools/bench_context.py` measures what it says: `ttft`'s cached prompt's whole chunks come
+from the prefix cache, its cold prompt's from nowhere (the benchmark once built a scheduler,
+and with it an empty prefix cache, per request, and timed two cold prefills); `steps` reports
+the KV bytes of the pages a slot holds."""
 
 import json
 import subprocess
@@ -11,19 +12,33 @@ from absl.testing import absltest
 from server_test import REPO
 
 
+def bench_context(*flags: str) -> dict:
+  """The JSON line of one run of the tool."""
+  run = subprocess.run([sys.executable, "-m", "tools.bench_context", *flags], cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+  if run.returncode:
+    raise AssertionError(run.stderr[-3000:])
+  return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 class BenchContextTest(absltest.TestCase):
 
   def test_ttft_reuses_the_shared_chunks(self):
     # 300 tokens, 280 shared: the largest bucket (256) is the one whole chunk to reuse.
-    run = subprocess.run(
-        [sys.executable, "-m", "tools.bench_context", "--modes=ttft", "--long_prompt=300",
-         "--shared=280", "--ttft_rounds=1", "--max_len=512"],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
-    self.assertEqual(run.returncode, 0, run.stderr[-3000:])
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = bench_context("--modes=ttft", "--long_prompt=300", "--shared=280",
+                           "--ttft_rounds=1", "--max_len=512")
     self.assertEqual((result["prompt_tokens"], result["shared_tokens"], result["cached_tokens"],
                       result["cold_cached_tokens"]), (300, 280, 256, 0))
     self.assertGreater(result["cold_ttft_s"], 0)
+
+  def test_steps_report_the_pages_a_slot_holds(self):
+    # The demo model: 4 layers x 2 KV heads x (64 + 64) float32 values a row, 16 rows a page.
+    page_bytes = 4 * 2 * (64 + 64) * 4 * 16
+    result = bench_context("--modes=steps", "--held=128,1024", "--steps=2")
+    # After 2 steps from position p the slot holds rows 0..p + 1: ceil((p + 2) / 16) pages.
+    self.assertEqual(result["kv_bytes_held"], [9 * page_bytes, 65 * page_bytes])
+    self.assertLen(result["blockwise_step_ms"], 2)
+    self.assertLen(result["whole_cache_step_ms"], 2)
 
 
 if __name__ == "__main__":

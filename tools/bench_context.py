@@ -133,9 +133,9 @@ def measure_steps() -> dict:
   out["kv_pool_bytes"] = pool_bytes
   page_bytes = pool_bytes / engine_cfg.pool_pages
   out["kv_bytes_held"] = []          # the pages the slot holds at each point, in bytes
-  for name, engine in engines.items():
-    out[f"{name}_step_ms"] = []
+  out.update({f"{name}_step_ms": [] for name in engines})
   for tokens in held:
+    medians = {name: [] for name in engines}
     for name, engine in list(engines.items()) * 2:
       state = engine.init_state()
       state = engine.insert(engine.prefill(np.arange(8, dtype=np.int32), SamplerParams(),
@@ -149,14 +149,11 @@ def measure_steps() -> dict:
         started = time.perf_counter()
         state, _, _ = engine.step(state, active)
         times.append(time.perf_counter() - started)
-      median = float(np.median(times)) * 1e3
-      if name == "blockwise" and len(out["kv_bytes_held"]) == held.index(tokens):
-        out["kv_bytes_held"].append(int(len(state.pages.slots[0].pages) * page_bytes))
-      series = out[f"{name}_step_ms"]
-      if len(series) == held.index(tokens) + 1:
-        series[-1] = round(min(series[-1], median), 3)
-      else:
-        series.append(round(median, 3))
+      medians[name].append(float(np.median(times)) * 1e3)
+    for name, values in medians.items():
+      out[f"{name}_step_ms"].append(round(min(values), 3))
+    # The slot's pages follow the rows it holds, whichever way attention read them.
+    out["kv_bytes_held"].append(int(len(state.pages.slots[0].pages) * page_bytes))
   return out
 
 
