@@ -14,6 +14,7 @@ import tempfile
 import textwrap
 
 from absl.testing import absltest
+
 import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
