@@ -384,12 +384,13 @@ class SlowStepEngine:
   def init_state(self):
     return self.engine.init_state()
 
-  def prefill(self, prompt, sampler, *, state, logprobs=False):
-    return self.engine.prefill(prompt, sampler, state=state, logprobs=logprobs)
+  def prefill(self, prompt, sampler, *, state, logprobs=False, nextn=True):
+    return self.engine.prefill(prompt, sampler, state=state, logprobs=logprobs, nextn=nextn)
 
-  def start_prefill(self, prompt, sampler, *, state, logprobs=False, new_tokens=None):
+  def start_prefill(self, prompt, sampler, *, state, logprobs=False, new_tokens=None,
+                    nextn=True):
     return self.engine.start_prefill(prompt, sampler, state=state, logprobs=logprobs,
-                                     new_tokens=new_tokens)
+                                     new_tokens=new_tokens, nextn=nextn)
 
   def prefill_chunk(self, job):
     return self.engine.prefill_chunk(job)
@@ -399,6 +400,9 @@ class SlowStepEngine:
 
   def insert(self, prefix, state, slot):
     return self.engine.insert(prefix, state, slot)
+
+  def detach(self, state, slot):
+    return self.engine.detach(state, slot)
 
   def step(self, state, active, drafting, *, drafts=None, logprobs=False):
     if bool(np.asarray(drafting)[np.asarray(active)].any()) == self.slow_drafting:

@@ -233,14 +233,15 @@ class DecodeEngine(Protocol):
   def init_state(self) -> Any: ...
 
   def prefill(self, prompt: np.ndarray, sampler: SamplerParams, *, state: Any,
-              logprobs: bool = False) -> Any: ...
+              logprobs: bool = False, nextn: bool = True) -> Any: ...
 
   def start_prefill(self, prompt: np.ndarray, sampler: SamplerParams, *, state: Any,
-                    logprobs: bool = False, new_tokens: int = 1) -> Any:
+                    logprobs: bool = False, new_tokens: int = 1, nextn: bool = True) -> Any:
     """A prefill job into `state`'s KV pages to run chunk by chunk: `prefill_chunk` until it
     returns True, then the job's `prefix` is what `prefill` returns. None when the page pool
     cannot reserve the prompt and `new_tokens` more now (a sequence growing past its
-    reservation takes free pages while there are)."""
+    reservation takes free pages while there are). `nextn` False: without the NextN block's
+    rows, for a slot that will not draft (`detach`)."""
 
   def prefill_chunk(self, job: Any) -> bool: ...
 
@@ -248,6 +249,10 @@ class DecodeEngine(Protocol):
     """Give back a job's pages when it will not be inserted."""
 
   def insert(self, prefix: Any, state: Any, slot: int) -> Any: ...
+
+  def detach(self, state: Any, slot: int) -> Any:
+    """Native MTP: the slot never drafts again before it is freed (nothing records its MTP
+    inputs; steps over detached slots alone are steps with MTP off)."""
 
   def step(self, state: Any, active: np.ndarray, drafting: np.ndarray | None = None, *,
            drafts: np.ndarray | None = None,
@@ -264,11 +269,14 @@ def warm_up(engine: DecodeEngine) -> None:
   slot count."""
   ec = engine.engine_cfg
   state = engine.init_state()
+  # With native MTP, a prompt is prefilled with or without its NextN rows (`detach`).
+  nextn_modes = (True, False) if ec.native_mtp else (True,)
   for bucket in ec.prefill_buckets:
-    if bucket - 1 < ec.max_len and bucket <= ec.cache_len:
-      state = engine.free(state, 0)    # its pages back first: a small pool may need them
-      state = engine.insert(engine.prefill(np.zeros(bucket - 1, np.int32), SamplerParams(),
-                                           state=state), state, 0)
+    for nextn in nextn_modes:
+      if bucket - 1 < ec.max_len and bucket <= ec.cache_len:
+        state = engine.free(state, 0)    # its pages back first: a small pool may need them
+        state = engine.insert(engine.prefill(np.zeros(bucket - 1, np.int32), SamplerParams(),
+                                             state=state, nextn=nextn), state, 0)
   drafts = np.zeros((ec.slots, ec.draft_tokens), np.int32) if ec.host_drafts else None
   # Each schedule's slot gives its pages back after its steps, so the warm-up needs no more of
   # a small KV pool than one short request does.
@@ -282,5 +290,8 @@ def warm_up(engine: DecodeEngine) -> None:
                                   drafts=drafts)
       if ec.native_mtp:
         state = engine.catch_up(state, reach)   # the missing MTP rows, before drafting again
+        for slot in np.flatnonzero(reach):       # and the step of detached slots alone
+          state = engine.detach(state, int(slot))
+        state, _, _ = engine.step(state, reach, np.zeros(ec.slots, np.int32), drafts=drafts)
     for slot in np.flatnonzero(reach):
       state = engine.free(state, int(slot))

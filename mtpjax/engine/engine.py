@@ -86,9 +86,11 @@ class Engine:
                                              for s in range(len(self.layouts))]
     self._prefill = per_stage("prefill", self._prefill_fn, ("kv", "mtp"))
     self._insert = jit("insert", _insert_fn, ("state",))
-    kind = "plain" if engine_cfg.native_mtp else "decode"
+    # Native MTP's plain step records the MTP inputs; a step over detached slots alone is
+    # the step with MTP off.
+    kinds = ("plain", "decode") if engine_cfg.native_mtp else ("decode",)
     self._steps = {kind: per_stage(kind, functools.partial(self._step_fn, kind=kind),
-                                   ("kv", "head"))}
+                                   ("kv", "head")) for kind in kinds}
     # A drafting step compiles once per window bucket: it verifies k + 1 rows and, with native
     # MTP, drafts k; without, it commits the host's accepted drafts.
     self._verify_kind = "verify_draft" if engine_cfg.native_mtp else "verify_host"
@@ -146,8 +148,9 @@ class Engine:
     prefixes = PrefixCache(ec.page, ec.prefix_cache, pages) if ec.prefix_cache else None
     lag = [np.zeros(hi - lo, np.int32) for lo, hi in self.bounds] if ec.native_mtp else None
     mtp = steps.empty_mtp_pages(self.cfg, ec, self.dtype, self._last_zeros) if here else None
+    detached = np.zeros(ec.slots, bool) if ec.native_mtp else None
     return EngineState(groups, [self._zero_pools(s) for s in range(len(self.layouts))], pages,
-                       prefixes, np.zeros(ec.slots, np.int64), lag, mtp)
+                       prefixes, np.zeros(ec.slots, np.int64), lag, mtp, detached)
 
   def warm_up_schedule(self) -> list[np.ndarray]:
     """One live slot at k - 1 of a group makes a step over its first k slots."""
@@ -186,10 +189,10 @@ class Engine:
                                     start=start, before=before, mtp=mtp, table=table)
 
   def prefill(self, prompt: np.ndarray, sampler: SamplerParams, *, state: EngineState,
-              logprobs: bool = False) -> Prefix:
+              logprobs: bool = False, nextn: bool = True) -> Prefix:
     """Run a whole prompt into pages of `state`'s pools, chunk after chunk (`start_prefill`).
     `logprobs`: the prefix carries the first token's (needs `engine_cfg.logprobs`)."""
-    job = self.start_prefill(prompt, sampler, state=state, logprobs=logprobs)
+    job = self.start_prefill(prompt, sampler, state=state, logprobs=logprobs, nextn=nextn)
     if job is None:
       raise errors.KvPagesError(
           f"the KV page pool has no room for a sequence now ({state.pages.available} of "
@@ -200,7 +203,8 @@ class Engine:
     return job.prefix
 
   def start_prefill(self, prompt: np.ndarray, sampler: SamplerParams, *, state: EngineState,
-                    logprobs: bool = False, new_tokens: int = 1) -> PrefillJob | None:
+                    logprobs: bool = False, new_tokens: int = 1,
+                    nextn: bool = True) -> PrefillJob | None:
     """A prompt's prefill into pages of `state`'s pools, to run one chunk at a time
     (`prefill_chunk`) so that a scheduler can step other slots between the chunks of a long
     prompt. Reserves every page the sequence can reach (the prompt, `new_tokens` more and a
@@ -208,16 +212,21 @@ class Engine:
     sequence takes pages while some are free (`page_pool.PagePool.grow`).
     Refuses a prompt that does not fit the context (`errors.ContextLengthError`) before any
     work. With a prefix cache, the longest cached whole-page prefix's pages start the
-    sequence and only the rest is prefilled."""
+    sequence and only the rest is prefilled.
+
+    `nextn` False (native MTP): the prompt's NextN rows are not computed, as with MTP off, and
+    the slot it is inserted into is detached (`detach`): for a request that cannot draft
+    before it ends (the scheduler's cost policy paused drafting for longer)."""
     ec = self.engine_cfg
     prompt, chunks = ec.prefill_chunks(prompt)
     job = PrefillJob(prompt=prompt, chunks=chunks, sampler=sampler_arrays(sampler.validate()),
-                     logprobs=logprobs, state=state, pages=PageList(), before=None)
+                     logprobs=logprobs, state=state, pages=PageList(), before=None,
+                     nextn=nextn and ec.native_mtp)
     entry = None
     if state.prefixes is not None:
       keys = state.prefixes.page_keys(prompt)
-      job.cached, entry = state.prefixes.longest(keys)
-      job.save = state.prefixes.to_save(keys, job.cached)
+      job.cached, entry = state.prefixes.longest(keys, mtp_rows=job.nextn)
+      job.save = state.prefixes.to_save(keys, job.cached, mtp_rows=job.nextn)
     if entry is not None:
       state.pages.share(job.pages, entry[0])
     need = ec.request_pages(prompt.size, new_tokens)
@@ -242,7 +251,7 @@ class Engine:
     final = not job.chunks
     state = job.state
     # A padded tail past the pages is dropped; the last chunk's MTP rows run to its chain's.
-    mtp_rows = self.engine_cfg.draft_tokens if final and self.engine_cfg.native_mtp else 0
+    mtp_rows = self.engine_cfg.draft_tokens if final and job.nextn else 0
     state.pages.grow(job.pages, start + count + mtp_rows)
     table = state.pages.row(job.pages)[None]
     tokens = np.zeros((1, bucket), np.int32)
@@ -258,16 +267,18 @@ class Engine:
       last = s == self.last
       state.kv[s], out = self._prefill[s](self._leaves[s], x, np.int32(start), state.kv[s],
                                           table, job.before if last else None,
-                                          state.mtp if last else None, extra if last else None)
+                                          state.mtp if last and job.nextn else None,
+                                          extra if last else None)
       if last:
         head, rows = out
-        state.mtp, head = head.mtp, head.replace(mtp=None)
+        if job.nextn:
+          state.mtp, head = head.mtp, head.replace(mtp=None)
         job.before = head.slots.h_prev
       else:
         x = out
     if not final:
       if job.save is not None and job.save[0] == start + count:
-        state.prefixes.store(job.save[1], job.pages.pages, job.before)
+        state.prefixes.store(job.save[1], job.pages.pages, job.before, mtp_rows=job.nextn)
       return False
     current = self.hops.share(None if head is None else head.slots.current, self.last,
                               like=_ints(1))
@@ -278,7 +289,7 @@ class Engine:
     shared = (self._shared_logprobs([rows] if head is not None else [], [(0, 1)], 1)
               if self._wants(job.logprobs) else None)
     job.prefix = Prefix(pages=job.pages, length=int(job.prompt.size), head=head,
-                        current=current, logprobs=shared, mtp_chain=chain)
+                        current=current, logprobs=shared, mtp_chain=chain, nextn=job.nextn)
     return True
 
   def _group_of(self, slot: int) -> tuple[int, int]:
@@ -298,6 +309,14 @@ class Engine:
       group.head = self._insert(prefix.head, group.head, local_slot)
     if state.mtp_lag is not None:
       state.mtp_lag[g][local_slot] = 0      # a prefilled prompt's MTP KV is complete
+      state.detached[slot] = not prefix.nextn
+    return state
+
+  def detach(self, state: EngineState, slot: int) -> EngineState:
+    """Detach a live slot from native MTP until it is freed: it never drafts again (its draft
+    windows count as 0), so its MTP inputs need no recording, and a step whose active slots
+    are all detached costs what a step with MTP off costs."""
+    state.detached[slot] = True
     return state
 
   def free(self, state: EngineState, slot: int) -> EngineState:
@@ -309,6 +328,7 @@ class Engine:
     if state.mtp_lag is not None:
       g, local_slot = self._group_of(slot)
       state.mtp_lag[g][local_slot] = 0
+      state.detached[slot] = False
     return state
 
   # --- steps --------------------------------------------------------------------------------
@@ -441,12 +461,16 @@ class Engine:
     kind, depth = "decode", 0
     if ec.drafts:
       drafting = self.windows(drafting)
+      if ec.native_mtp:
+        drafting = np.where(state.detached, 0, drafting).astype(np.int32)
       depth = self._depth(drafting, active)
-      kind = self._verify_kind if depth else ("plain" if ec.native_mtp else "decode")
+      kind = self._verify_kind if depth else "decode"
+      if not depth and ec.native_mtp and not state.detached[active].all():
+        kind = "plain"
     if drafts is not None:
       drafts = np.asarray(drafts, np.int32).reshape(ec.slots, ec.draft_tokens)
     if kind == "verify_draft":
-      state = self.catch_up(state, active)
+      state = self.catch_up(state, active & ~state.detached)
     tokens = depth + 1
     ahead = steps.mtp_rows_ahead(depth) if ec.native_mtp else 0
     for slot in np.flatnonzero(active):     # pages for every row this step may write
@@ -481,11 +505,16 @@ class Engine:
         if kind == "verify_draft" and ec.timing:
           head, result, committed = self._timed_last_stage(
               state, group, out, table, act, draft_mask, group_drafts, want, info, depth)
+          state.keep(group, head)
+        elif kind == "decode":     # the NextN pools stay out of a step that does not touch them
+          state.kv[s], (group.head, result, committed) = step_fns[s](
+              self._leaves[s], out, state.kv[s], table, group.head, act, draft_mask,
+              group_drafts, want)
         else:
           state.kv[s], (head, result, committed) = step_fns[s](
               self._leaves[s], out, state.kv[s], table, state.joined(group), act, draft_mask,
               group_drafts, want)
-        state.keep(group, head)
+          state.keep(group, head)
         results.append(result)
         rows.append(committed)
     if kind == "plain":

@@ -94,10 +94,17 @@ class _Live:
   # Per draft position: windows that included it, and how often it was accepted.
   verified_at: list = dataclasses.field(default_factory=list)
   accepted_at: list = dataclasses.field(default_factory=list)
+  detached: bool = False          # it never drafts again (`Engine.detach`)
 
   @property
   def drafting(self) -> bool:
     return self.paused_steps == 0
+
+  def tokens_left(self, max_len: int) -> int:
+    """The most steps it can still take: its token budget or the context, whichever ends
+    first."""
+    return min(self.request.max_new_tokens - len(self.tokens),
+               max_len - len(self.request.prompt) - len(self.tokens))
 
 
 def _token_logprobs(request: Request, rows, slot: int,
@@ -119,6 +126,7 @@ class _Prefilling:
   done: Callable[[Result], None]
   started: float
   job: object = None              # the engine's prefill job, once started
+  detached: bool = False          # prefilled without NextN rows, for a slot that never drafts
 
 
 class SlotScheduler:
@@ -234,10 +242,12 @@ class SlotScheduler:
         continue
       request, done = self.waiting.popleft()
       pending = _Prefilling(index, request, done, time.perf_counter())
+      # A request the batch pause outlasts never drafts: its prompt needs no NextN rows.
+      pending.detached = self._outlasted(request.max_new_tokens)
       try:   # nothing of the decode state is touched before the insert: fail this one alone
         pending.job = self.engine.start_prefill(
             request.prompt, request.sampler, state=self.state, logprobs=request.logprobs,
-            new_tokens=request.max_new_tokens)
+            new_tokens=request.max_new_tokens, nextn=not pending.detached)
       except Exception as error:
         raise RequestFailed(request, error) from error
       if pending.job is None:
@@ -266,7 +276,8 @@ class SlotScheduler:
     positions = self.engine.engine_cfg.draft_tokens if self.drafter else self.window.max
     live = _Live(request=request, done=pending.done, started=pending.started,
                  window=self.window.initial, verified_at=[0] * positions,
-                 accepted_at=[0] * positions, cached_tokens=pending.job.cached)
+                 accepted_at=[0] * positions, cached_tokens=pending.job.cached,
+                 detached=pending.detached)
     live.counts["target_passes"] += 1
     live.counts["committed_tokens"] += 1
     first = int(np.asarray(prefix.current)[0])
@@ -339,6 +350,7 @@ class SlotScheduler:
     occupied = [s is not None for s in self.slots]
     if not any(occupied):
       return
+    self._detach_outlasted()
     self.occupancy_samples.append(sum(occupied) / len(occupied))
     active = np.array(occupied)
     highest = len(occupied) - occupied[::-1].index(True)
@@ -351,7 +363,8 @@ class SlotScheduler:
     # Each live slot's window, capped by the cost policy; without native MTP `drafted` is
     # False and the engine ignores the windows.
     cap = self.window_cap
-    windows = [min(s.window, cap) if s is not None and drafted else 0 for s in self.slots]
+    windows = [min(s.window, cap) if s is not None and drafted and not s.detached else 0
+               for s in self.slots]
     drafts = None
     if self.drafter is not None:
       drafts, windows = self._host_drafts(windows)
@@ -417,9 +430,26 @@ class SlotScheduler:
     if self.engine.engine_cfg.mtp_chain_columns:
       live.mtp_chain = mtp_chain(row, self.engine.engine_cfg.draft_tokens)
 
+  def _outlasted(self, steps: int) -> bool:
+    """Whether the cost policy's batch pause lasts `steps` more steps: a request that ends
+    within them cannot draft, so native MTP detaches it (`Engine.detach`) and its steps and
+    prefill cost what they cost with MTP off. Only without host drafting, whose drafts do not
+    wait for the pause."""
+    return self.native_mtp and self.drafter is None and self.batch_paused_steps >= steps
+
+  def _detach_outlasted(self) -> None:
+    if not self.batch_paused_steps:
+      return
+    max_len = self.engine.engine_cfg.max_len
+    for index, live in enumerate(self.slots):
+      if live is not None and not live.detached and self._outlasted(live.tokens_left(max_len)):
+        live.detached = True
+        self.state = self.engine.detach(self.state, index)
+
   def _drafts(self, live: _Live) -> bool:
-    """Whether a slot uses its draft at the next step (neither it nor the batch is paused)."""
-    return live.drafting and self.batch_paused_steps == 0
+    """Whether a slot uses its draft at the next step (neither it nor the batch is paused, and
+    it is not detached)."""
+    return live.drafting and not live.detached and self.batch_paused_steps == 0
 
   def _price_drafting(self, drafted: bool) -> None:
     """The batch-level cost policy of `AdaptiveDrafting` (see there)."""

@@ -106,7 +106,9 @@ class EngineState:
   process owns the stage) and the last stage's NextN pools; the host's page allocator with its page tables, the prefix cache
   over it and each slot's position (every process runs the same schedule, so each knows what
   pages a step needs without reading the positions back); and (native MTP) the host's copy of
-  each group's `mtp_lag`, for the catch-up passes the last stage needs."""
+  each group's `mtp_lag`, for the catch-up passes the last stage needs, and which slots are
+  detached from native MTP (`Engine.detach`: they never draft again, so nothing records their
+  MTP inputs and a step over detached slots alone is a step with MTP off)."""
   groups: list[Group]
   kv: list
   pages: PagePool
@@ -114,6 +116,7 @@ class EngineState:
   positions: np.ndarray                   # [slots] each slot's `pos`
   mtp_lag: list[np.ndarray] | None = None
   mtp: MtpPages | None = None             # the last stage's NextN pools (native MTP)
+  detached: np.ndarray | None = None      # [slots] bool (native MTP)
 
   def joined(self, group: Group) -> HeadState:
     """A group's head state with the NextN pools, as a step donates and returns it."""
@@ -134,6 +137,7 @@ class Prefix:
   current: np.ndarray
   logprobs: tuple | None = None      # the first token's, as a step's (engine_cfg.logprobs)
   mtp_chain: np.ndarray | None = None   # [1, K] the first MTP chain (`mtp_chain_columns`)
+  nextn: bool = True                    # whether its NextN rows were computed (native MTP)
 
 
 @dataclasses.dataclass
@@ -152,3 +156,4 @@ class PrefillJob:
   prefix: Prefix | None = None
   save: tuple[int, bytes] | None = None   # (tokens, key) of the prefix to cache on the way
   cached: int = 0                         # prompt tokens taken from the prefix cache
+  nextn: bool = False                     # the NextN block runs over the prompt too

@@ -150,7 +150,8 @@ def prefill_commit(model: CausalLM, engine_cfg: EngineConfig, tokens, hidden, le
   `hidden` [1, bucket, D] is the post-norm trunk output of the prompt `tokens` [1, bucket].
   A chunk of a longer prompt (`Engine.prefill_chunk`) starts at position `start` with `length`
   of its rows real; its MTP rows continue from `before` (h_{start-1}), written into the
-  prompt's pages (`table` [1, max_pages]) of the NextN pools `mtp`. Only the last chunk's
+  prompt's pages (`table` [1, max_pages]) of the NextN pools `mtp` (None: no NextN rows, as
+  with MTP off). Only the last chunk's
   sample and draft are used: an earlier chunk's pass leaves its `h_prev` (the next chunk's
   `before`) and MTP rows, whose row past the chunk the next one rewrites. Returns the head
   state (with the pools) and the first token's logprobs (`committed_logprobs`).
@@ -163,7 +164,7 @@ def prefill_commit(model: CausalLM, engine_cfg: EngineConfig, tokens, hidden, le
   first = sample(logits, keys, (start + length)[None], temperature, top_k, top_p)
   head = empty_head(model.cfg, engine_cfg, 1, model.dtype)
   draft = head.slots.draft
-  if engine_cfg.native_mtp:
+  if mtp is not None:
     mtp_tokens = jnp.where(index == length, first[:, None], tokens)
     z, y, mtp_kv = model.mtp_rows(mtp_tokens, previous_hidden(hidden, before), positions,
                                   mtp.kv, table)
