@@ -136,8 +136,10 @@ class FixtureTest(parameterized.TestCase):
     warm_up(engine)
     traces = dict(engine.trace_counts)
     self.assertEqual(engine.slot_buckets, (1, 2, 3))   # each step over 1, 2 or 3 slots
-    self.assertEqual(traces, {"prefill": 2, "insert": 1, "verify_draft": 3, "plain": 3,
-                              "catch_up": 3})
+    # Each prefill bucket with and without the NextN rows; the step of detached slots alone
+    # (`Engine.detach`) is the MTP-off step, once per slot bucket.
+    self.assertEqual(traces, {"prefill": 4, "insert": 1, "verify_draft": 3, "plain": 3,
+                              "catch_up": 3, "decode": 3})
     prompts = [self.ref["prompt_ids"], np.arange(20, dtype=np.int32)]
     results = SlotScheduler(engine).run([Request(prompt=p, max_new_tokens=30) for p in prompts])
     self.assertLess(results[0].stats.verifications, 29)     # the random head got paused
@@ -429,10 +431,14 @@ class MtpEngineTest(parameterized.TestCase):
       self.assertEqual([len(r.tokens) for r in results], [5, 9, 4, 7, 6])
       step = "verify_draft" if native_mtp else "decode"
       counts = dict(engine.trace_counts)
-      self.assertEqual((counts["prefill"], counts["insert"]), (2, 1), f"round {round_}")
+      # Once per bucket, with native MTP once more per bucket without the NextN rows (a
+      # request the cost policy's pause outlasts, `Engine.detach`).
+      self.assertLessEqual(counts["prefill"], 4 if native_mtp else 2, f"round {round_}")
+      self.assertGreaterEqual(counts["prefill"], 2, f"round {round_}")
+      self.assertEqual(counts["insert"], 1, f"round {round_}")
       # At most once per slot bucket; other tests of the class may have compiled the
-      # paused-drafting steps, once per bucket too.
-      for name in (step, "plain", "catch_up"):
+      # paused-drafting and detached steps, once per bucket too.
+      for name in (step, "plain", "catch_up", "decode"):
         self.assertLessEqual(counts.get(name, 0), len(engine.slot_buckets), name)
       if round_:
         self.assertEqual(counts, first_round)

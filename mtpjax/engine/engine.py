@@ -465,7 +465,7 @@ class Engine:
         drafting = np.where(state.detached, 0, drafting).astype(np.int32)
       depth = self._depth(drafting, active)
       kind = self._verify_kind if depth else "decode"
-      if not depth and ec.native_mtp and not state.detached[active].all():
+      if not depth and ec.native_mtp and not (active.any() and state.detached[active].all()):
         kind = "plain"
     if drafts is not None:
       drafts = np.asarray(drafts, np.int32).reshape(ec.slots, ec.draft_tokens)
