@@ -272,11 +272,12 @@ def warm_up(engine: DecodeEngine) -> None:
   # With native MTP, a prompt is prefilled with or without its NextN rows (`detach`).
   nextn_modes = (True, False) if ec.native_mtp else (True,)
   for bucket in ec.prefill_buckets:
+    if bucket - 1 >= ec.max_len or bucket > ec.cache_len:
+      continue
     for nextn in nextn_modes:
-      if bucket - 1 < ec.max_len and bucket <= ec.cache_len:
-        state = engine.free(state, 0)    # its pages back first: a small pool may need them
-        state = engine.insert(engine.prefill(np.zeros(bucket - 1, np.int32), SamplerParams(),
-                                             state=state, nextn=nextn), state, 0)
+      state = engine.free(state, 0)    # its pages back first: a small pool may need them
+      state = engine.insert(engine.prefill(np.zeros(bucket - 1, np.int32), SamplerParams(),
+                                           state=state, nextn=nextn), state, 0)
   drafts = np.zeros((ec.slots, ec.draft_tokens), np.int32) if ec.host_drafts else None
   # Each schedule's slot gives its pages back after its steps, so the warm-up needs no more of
   # a small KV pool than one short request does.

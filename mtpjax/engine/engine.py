@@ -505,16 +505,12 @@ class Engine:
         if kind == "verify_draft" and ec.timing:
           head, result, committed = self._timed_last_stage(
               state, group, out, table, act, draft_mask, group_drafts, want, info, depth)
-          state.keep(group, head)
-        elif kind == "decode":     # the NextN pools stay out of a step that does not touch them
-          state.kv[s], (group.head, result, committed) = step_fns[s](
-              self._leaves[s], out, state.kv[s], table, group.head, act, draft_mask,
-              group_drafts, want)
-        else:
+        else:   # the NextN pools stay out of a decode step, which does not touch them
           state.kv[s], (head, result, committed) = step_fns[s](
-              self._leaves[s], out, state.kv[s], table, state.joined(group), act, draft_mask,
+              self._leaves[s], out, state.kv[s], table,
+              group.head if kind == "decode" else state.joined(group), act, draft_mask,
               group_drafts, want)
-          state.keep(group, head)
+        state.keep(group, head)
         results.append(result)
         rows.append(committed)
     if kind == "plain":

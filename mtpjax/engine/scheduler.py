@@ -126,7 +126,6 @@ class _Prefilling:
   done: Callable[[Result], None]
   started: float
   job: object = None              # the engine's prefill job, once started
-  detached: bool = False          # prefilled without NextN rows, for a slot that never drafts
 
 
 class SlotScheduler:
@@ -243,11 +242,11 @@ class SlotScheduler:
       request, done = self.waiting.popleft()
       pending = _Prefilling(index, request, done, time.perf_counter())
       # A request the batch pause outlasts never drafts: its prompt needs no NextN rows.
-      pending.detached = self._outlasted(request.max_new_tokens)
+      nextn = not self._outlasted(request.max_new_tokens)
       try:   # nothing of the decode state is touched before the insert: fail this one alone
         pending.job = self.engine.start_prefill(
             request.prompt, request.sampler, state=self.state, logprobs=request.logprobs,
-            new_tokens=request.max_new_tokens, nextn=not pending.detached)
+            new_tokens=request.max_new_tokens, nextn=nextn)
       except Exception as error:
         raise RequestFailed(request, error) from error
       if pending.job is None:
@@ -277,7 +276,7 @@ class SlotScheduler:
     live = _Live(request=request, done=pending.done, started=pending.started,
                  window=self.window.initial, verified_at=[0] * positions,
                  accepted_at=[0] * positions, cached_tokens=pending.job.cached,
-                 detached=pending.detached)
+                 detached=self.native_mtp and not pending.job.nextn)
     live.counts["target_passes"] += 1
     live.counts["committed_tokens"] += 1
     first = int(np.asarray(prefix.current)[0])

@@ -123,8 +123,11 @@ class EngineState:
     return group.head.replace(mtp=self.mtp)
 
   def keep(self, group: Group, head: HeadState) -> None:
-    """Take a step's `joined` head state back apart."""
-    self.mtp, group.head = head.mtp, head.replace(mtp=None)
+    """Take a step's `joined` head state back apart (a head without the pools, from a step
+    they were kept out of, leaves them as they are)."""
+    if head.mtp is not None:
+      self.mtp = head.mtp
+    group.head = head.replace(mtp=None)
 
 
 @dataclasses.dataclass
