@@ -73,7 +73,10 @@ class RoundTripTest(parameterized.TestCase):
     cls.tmp = examples.temporary_directory(cls)
     demo_source = _reassemble(embedded.DEMO_PACKAGE, cls.tmp / "demo.gguf")
     cls.sources = {"glm": FIXTURE, "demo": demo_source}
-    # the shipped demo package is the demo model's v1 form
+    # the shipped demo package is the demo model's v1 form: its v2 twin declares the same
+    demo_block = json.loads((embedded.DEMO_PACKAGE / "model-package.json").read_text())[
+        "generation"]["speculative_decoding"]
+    demo_strategy = demo_block["strategies"][demo_block["default"]]
     cls.packages = {
         ("glm", 1): writer.split_gguf(FIXTURE, cls.tmp / "glm-v1", model_id=MODEL_ID,
                                       generation_format="mtp"),
@@ -84,7 +87,8 @@ class RoundTripTest(parameterized.TestCase):
         ("demo", 1): embedded.DEMO_PACKAGE,
         ("demo", "split"): writer_v2.split_gguf_v2(demo_source, cls.tmp / "demo-v2",
                                                    model_id=MODEL_ID,
-                                                   generation_format="native-mtp-n1")}
+                                                   generation_format=demo_block["default"],
+                                                   window_policy=demo_strategy["window_policy"])}
 
   @parameterized.parameters(*MODELS)
   def test_v2_layout_and_identity(self, model, layout):

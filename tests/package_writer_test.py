@@ -110,6 +110,41 @@ class GenerationAndWidthTest(parameterized.TestCase):
       writer.split_gguf(src, tmp / "pkg", model_id="org/repo:F32", generation_format="v2")
     self.assertEqual(sorted(path.name for path in tmp.iterdir()), ["src.gguf"])
 
+  def test_window_policy_is_written_in_every_form(self):
+    tensors = {"blk.0.attn_norm.weight": _norm(),
+               "blk.47.nextn.eh_proj.weight": _RNG.standard_normal((4, 8)).astype(np.float32),
+               "blk.47.nextn.enorm.weight": _norm(), "blk.47.nextn.hnorm.weight": _norm()}
+    adaptive = {"default": "adaptive", "min_window": 1, "initial_window": 2, "max_window": 3}
+    for generation_format in writer.GENERATION_FORMATS:
+      manifest = self._split(tensors, [("llama.embedding_length", 4, _VT.UINT32)],
+                             generation_format=generation_format, window_policy=adaptive)
+      block = manifest["generation"]["speculative_decoding"]
+      self.assertEqual(block["strategies"][block["default"]]["window_policy"], adaptive,
+                       generation_format)
+
+  @parameterized.named_parameters(
+      ("initial_above_max", {"default": "adaptive", "min_window": 1, "initial_window": 4,
+                             "max_window": 3}, "initial_window 4 is outside \\[1, 3\\]"),
+      ("min_above_max", {"default": "fixed", "min_window": 3, "initial_window": 3,
+                         "max_window": 2}, "min_window 3 > max_window 2"),
+      ("zero", {"default": "fixed", "min_window": 0, "initial_window": 1, "max_window": 1},
+       "must be integers greater than zero"),
+      ("no_default", {"default": "", "min_window": 1, "initial_window": 1, "max_window": 1},
+       "default must not be empty"))
+  def test_bad_window_policy_is_refused_before_writing(self, policy, message):
+    tmp = examples.temporary_directory(self)
+    src = examples.write_gguf(tmp / "src.gguf", {"blk.0.attn_norm.weight": _norm()},
+                              key_values=[("llama.embedding_length", 4, _VT.UINT32)])[0]
+    with self.assertRaisesRegex(errors.PackageError, message) as caught:
+      writer.split_gguf(src, tmp / "pkg", model_id="org/repo:F32", window_policy=policy)
+    self.assertEqual(caught.exception.field, "window_policy")
+    self.assertEqual(sorted(path.name for path in tmp.iterdir()), ["src.gguf"])
+
+  @parameterized.parameters("adaptive:1:2", "adaptive:1:x:3", "adaptive:1:2:3:4", "")
+  def test_window_policy_text_must_have_four_parts(self, text):
+    with self.assertRaisesRegex(errors.PackageError, "is not DEFAULT:MIN:INITIAL:MAX"):
+      writer.parse_window_policy(text)
+
   @parameterized.parameters(("qwen2", 3584, _VT.UINT32), ("llama", 1024, _VT.UINT16),
                             ("llama", 4096, _VT.INT32), ("llama", 64, _VT.UINT64))
   def test_activation_width_from_embedding_length(self, arch, width, value_type):
@@ -428,6 +463,29 @@ class GenerationFormatTest(absltest.TestCase):
     expected = json.loads((self.packages["proposers"] / "model-package.json").read_text())
     self.assertEqual(written, expected["generation"])
     self.assertEqual(written["speculative_decoding"]["proposers"]["mtp"]["layer_indices"], [3])
+
+
+  def test_command_line_writes_a_window_policy_and_refuses_a_bad_one(self):
+    command = [sys.executable, "-m", "mtpjax.package.split", str(FIXTURE),
+               "--model-id", "zai-org/glm4moe-tiny:Q4_K_M", "--generation-format", "mtp"]
+    good = subprocess.run(command + [str(self.tmp / "cli-window"), "--window-policy",
+                                     "adaptive:1:2:3"],
+                          capture_output=True, text=True, cwd=REPO_ROOT)
+    self.assertEqual(good.returncode, 0, good.stderr)
+    written = json.loads((self.tmp / "cli-window" / "model-package.json").read_text())
+    self.assertEqual(written["generation"]["speculative_decoding"]["strategies"]["mtp"][
+        "window_policy"], {"default": "adaptive", "min_window": 1, "initial_window": 2,
+                           "max_window": 3})
+    with reader.open_source(self.tmp / "cli-window") as source:
+      resolution = speculative.resolve_for_source(glm.get_config(), "glm", source, env={})
+    self.assertEqual(resolution.draft_window.as_dict(), {   # adaptive, up to 3 drafts a step
+        "policy": "adaptive", "min_window": 1, "initial_window": 2, "max_window": 3})
+    bad = subprocess.run(command + [str(self.tmp / "cli-bad"), "--window-policy",
+                                    "adaptive:2:1:3"],
+                         capture_output=True, text=True, cwd=REPO_ROOT)
+    self.assertEqual(bad.returncode, 1)
+    self.assertIn("initial_window 1 is outside [2, 3]", bad.stderr)
+    self.assertFalse((self.tmp / "cli-bad").exists())
 
 
 class DestinationTest(absltest.TestCase):

@@ -29,7 +29,8 @@ MAX_PIPELINE_DEPTH = 64              # upstream's bound on verify windows in fli
 _WINDOW_FIELDS = ("initial_window", "min_window", "max_window")
 
 
-def _window_policy_issues(name: str, policy: object) -> list[dict]:
+def window_policy_issues(name: str, policy: object) -> list[dict]:
+  """The preflight issues of one strategy's window_policy (none when it is absent)."""
   if policy is None:
     return []
   where = f"speculative strategy {name} window_policy"
@@ -262,7 +263,7 @@ def _strategy_issues(name: str, strategy: object, proposers: dict, layer_count: 
   if strategy.get("extension_policy") is not None:
     found.extend(_extension_policy_issues(name, strategy["extension_policy"]))
   policy = strategy.get("window_policy")
-  return found + _window_policy_issues(name, policy) + _pipeline_depth_issues(name, policy)
+  return found + window_policy_issues(name, policy) + _pipeline_depth_issues(name, policy)
 
 
 def generation_issues(generation: object, layer_count: int | None) -> list[dict]:

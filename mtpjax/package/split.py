@@ -30,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="how generation.speculative_decoding declares native MTP: the first "
                            "era's inline native-mtp-n1 (v1's default), the later inline mtp "
                            "(v2's default), or the newer proposers form")
+  parser.add_argument("--window-policy", "--window_policy", dest="window_policy", default=None,
+                      metavar="DEFAULT:MIN:INITIAL:MAX",
+                      help="native MTP's draft window, e.g. adaptive:1:2:3 (default "
+                           "fixed:1:1:1, one token per step)")
   parser.add_argument("--schema-version", "--schema_version", dest="schema_version", type=int,
                       choices=(1, 2), default=1,
                       help="manifest schema: 1 (shared/ + layers/, default) or 2 (artifact "
@@ -40,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
   try:
     out = split(args.src, args.out_dir, model_id=args.model_id, revision=args.revision,
                 overwrite=args.overwrite, primary_file=args.primary_file,
-                generation_format=args.generation_format or default_format)
+                generation_format=args.generation_format or default_format,
+                window_policy=(None if args.window_policy is None
+                               else writer.parse_window_policy(args.window_policy)))
   except errors.MtpjaxError as error:
     print(f"error: {error}", file=sys.stderr)
     return 1

@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 
 from mtpjax import errors
-from mtpjax.package import integrity, manifest as manifest_lib
+from mtpjax.package import generation_rules, integrity, manifest as manifest_lib
 from mtpjax.package.gguf_kv import KeyValue
 from mtpjax.package.reader import ModelSource, open_gguf, open_source
 from mtpjax.package.roles import OWNED_ROLES, ROLE_LAYER, ROLE_METADATA, stage_selects, tensor_role
@@ -35,6 +35,9 @@ DEFAULT_STRATEGY = "native-mtp-n1"
 # `native-mtp-n1`, the later inline `mtp`, and the newer `proposers` form (a `mtp` strategy that
 # refers to a `mtp` proposer). All three resolve the same.
 GENERATION_FORMATS = (DEFAULT_STRATEGY, "mtp", "proposers")
+# What native MTP's strategy advertises unless told: one draft token, as the seed's packages do.
+FIXED_WINDOW = {"default": "fixed", "initial_window": 1, "min_window": 1, "max_window": 1}
+_WINDOW_FIELDS = ("default", "initial_window", "min_window", "max_window", "pipeline_depth")
 _COMPARE_CHUNK_BYTES = 16 << 20
 _SHARD_SUFFIX = re.compile(r"-[0-9]{5}-of-[0-9]{5}$")
 _MODEL_ID = re.compile(r"[^\s/:@]+/[^\s/:@]+(:[^\s/:@]+)?")
@@ -161,14 +164,36 @@ def _source_model(source: ModelSource, model_id: str, revision: str | None,
   return record
 
 
-def _generation(source: ModelSource, generation_format: str) -> dict | None:
-  """Native MTP iff the source has `.nextn.` tensors (§6 step 5), in the chosen era's form."""
+def parse_window_policy(text: str) -> dict:
+  """`adaptive:1:2:3` (DEFAULT:MIN:INITIAL:MAX) -> a window_policy object; its bounds are
+  checked when a package is written with it."""
+  parts = text.split(":")
+  if len(parts) != 4 or not all(part.isdigit() for part in parts[1:]):
+    raise errors.PackageError(f"window policy {text!r} is not DEFAULT:MIN:INITIAL:MAX",
+                              field="window_policy", remedy="write it as e.g. adaptive:1:2:3")
+  return {"default": parts[0], "min_window": int(parts[1]), "initial_window": int(parts[2]),
+          "max_window": int(parts[3])}
+
+
+def check_window_policy(window: dict) -> dict:
+  """`window`, refused (PackageError) where preflight would flag the package written with it."""
+  flaws = generation_rules.window_policy_issues("native MTP", window)
+  if flaws:
+    raise errors.PackageError(f"window policy {window!r}: {flaws[0]['message']}",
+                              field="window_policy", remedy="give positive integer windows with "
+                              "min_window <= initial_window <= max_window and a default")
+  # In the schema's field order, which v2's package identity serialises.
+  return {field: window[field] for field in _WINDOW_FIELDS if field in window}
+
+
+def _generation(source: ModelSource, generation_format: str, window: dict) -> dict | None:
+  """Native MTP iff the source has `.nextn.` tensors (§6 step 5), in the chosen era's form,
+  with `window` as its strategy's window_policy."""
   layers = sorted({tensor_role(name)[1] for name in source.tensors if ".nextn." in name
                    and tensor_role(name)[0] == ROLE_LAYER})
   if not layers:
     return None
   native = {"type": manifest_lib.NATIVE_MTP_TYPE, "prediction_depth": 1, "layer_indices": layers}
-  window = {"default": "fixed", "initial_window": 1, "min_window": 1, "max_window": 1}
   if generation_format == "proposers":
     return {"speculative_decoding": {"default": "mtp", "proposers": {"mtp": native},
                                      "strategies": {"mtp": {
@@ -246,16 +271,18 @@ def _install(built: pathlib.Path, out_dir: pathlib.Path) -> None:
 def split_gguf(src: str | pathlib.Path, out_dir: str | pathlib.Path, *, model_id: str | None,
                revision: str | None = None, overwrite: bool = False,
                primary_file: str | None = None,
-               generation_format: str = DEFAULT_STRATEGY) -> pathlib.Path:
+               generation_format: str = DEFAULT_STRATEGY,
+               window_policy: dict | None = None) -> pathlib.Path:
   """Writes a v1 layer package for a plain GGUF or any shard of a split GGUF; returns OUT_DIR.
 
   `primary_file` is the source's path inside its repository (default: the local file name); its
   folder is kept in `source_model.files`, e.g. `UD-IQ2_M/GLM-5.1-UD-IQ2_M-00001-of-00006.gguf`.
-  `generation_format` picks the era's form of the native-MTP declaration (GENERATION_FORMATS).
+  `generation_format` picks the era's form of the native-MTP declaration (GENERATION_FORMATS),
+  `window_policy` its draft window (default FIXED_WINDOW, 1/1/1).
   """
   return split_with(_write_v1, src, out_dir, model_id=model_id, revision=revision,
                     overwrite=overwrite, primary_file=primary_file,
-                    generation_format=generation_format)
+                    generation_format=generation_format, window_policy=window_policy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,7 +319,8 @@ def _write_v1(inputs: PackageInputs) -> None:
 
 def split_with(write_package, src: str | pathlib.Path, out_dir: str | pathlib.Path, *,
                model_id: str | None, revision: str | None, overwrite: bool,
-               primary_file: str | None, generation_format: str) -> pathlib.Path:
+               primary_file: str | None, generation_format: str,
+               window_policy: dict | None = None) -> pathlib.Path:
   """The steps every schema shares (§6): check the arguments, open the source, let
   `write_package(PackageInputs)` write the artifacts and manifest into a staging folder, check
   it exactly-once against the source, then rename it into place."""
@@ -301,6 +329,7 @@ def split_with(write_package, src: str | pathlib.Path, out_dir: str | pathlib.Pa
     raise errors.PackageError(f"generation format {generation_format!r} is not one of "
                               f"{', '.join(GENERATION_FORMATS)}", field="generation_format",
                               remedy="pass --generation-format " + "|".join(GENERATION_FORMATS))
+  window = check_window_policy(FIXED_WINDOW if window_policy is None else window_policy)
   out_dir = pathlib.Path(out_dir)
   _prepare_destination(out_dir, overwrite)
   staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
@@ -316,7 +345,7 @@ def split_with(write_package, src: str | pathlib.Path, out_dir: str | pathlib.Pa
       write_package(PackageInputs(
           source=source, staging=staging, model_id=model_id,
           source_model=_source_model(source, model_id, revision, primary_file),
-          generation=_generation(source, generation_format),
+          generation=_generation(source, generation_format, window),
           activation_width=source.activation_width))
       check_exactly_once(staging, source)
     _install(staging, out_dir)

@@ -135,10 +135,10 @@ def split_gguf_v2(src: str | pathlib.Path, out_dir: str | pathlib.Path, *,
                   model_id: str | None, revision: str | None = None, overwrite: bool = False,
                   primary_file: str | None = None,
                   generation_format: str = DEFAULT_GENERATION_FORMAT,
-                  common: bool = False) -> pathlib.Path:
+                  window_policy: dict | None = None, common: bool = False) -> pathlib.Path:
   """`writer.split_gguf` for schema v2; the package loads exactly like its v1 twin. `common`
   puts every non-layer tensor in one artifact, as upstream's newer writer does."""
   return writer.split_with(functools.partial(write_package, common=common), src, out_dir,
                            model_id=model_id, revision=revision,
                            overwrite=overwrite, primary_file=primary_file,
-                           generation_format=generation_format)
+                           generation_format=generation_format, window_policy=window_policy)
