@@ -183,8 +183,32 @@ _LLAMA_BENCH_SAMPLE = """[
    "samples_ns": [ 96202759, 81360851 ], "samples_ts": [ 1330.52, 1573.24 ]}
 ]"""
 
+# The end of `llama-speculative-simple ... --spec-type draft-mtp --spec-draft-n-max 3` (stderr,
+# llama.cpp 0c1e570, the demo joined into one Q8_0 GGUF); perf lines after it left out.
+_SPECULATIVE_SAMPLE = """0.00.103.274 I common_speculative_init_result: creating MTP draft context
+0.00.257.838 I encoded   20 tokens in    0.009 seconds, speed: 2128.112 t/s
+0.00.257.850 I decoded   67 tokens in    0.139 seconds, speed:  482.921 t/s
+0.00.257.857 I
+0.00.257.863 I n_draft   = 3
+0.00.257.869 I n_predict = 67
+0.00.257.875 I n_drafted = 76
+0.00.257.881 I n_accept  = 41
+0.00.257.888 I accept    = 53.947%
+0.00.257.894 I
+0.00.257.900 I draft:
+"""
+
 
 class BenchVsLlamaCppTest(absltest.TestCase):
+
+  def test_parses_the_speculative_counters(self):
+    self.assertEqual(llama_cpp.parse_speculative(_SPECULATIVE_SAMPLE),
+                     {"n_draft": 3, "n_predict": 67, "n_drafted": 76, "n_accept": 41})
+
+  def test_a_log_without_the_counters_is_refused(self):
+    cut = _SPECULATIVE_SAMPLE[:_SPECULATIVE_SAMPLE.index("0.00.257.875")]
+    with self.assertRaisesRegex(ValueError, "lacks n_drafted, n_accept"):
+      llama_cpp.parse_speculative(cut)
 
   def test_parses_llama_bench_json(self):
     self.assertEqual(llama_cpp.parse_llama_bench(_LLAMA_BENCH_SAMPLE),

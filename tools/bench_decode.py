@@ -15,8 +15,9 @@ modes alike.
 MTP on runs with the default adaptive drafting (what `generate` and the server use, which
 pauses drafting where it does not pay); `*_always_drafting` is MTP on with every step drafting,
 the raw cost of the verify + draft step. `--draft_tokens` gives one JSON line per draft window
-(k drafts a step, fixed, or `adaptive`: each slot's window moves within 1..the largest k given,
-starting at 2) and slot count. The ideal speedup of a window is tokens per verify /
+(k drafts a step, fixed; `adaptive`: each slot's window moves within 1..the largest k given,
+starting at 2; `package`, the default: the window the source's strategy resolves to) and slot
+count. The ideal speedup of a window is tokens per verify /
 (1 + c_draft), where c_draft is what drafting adds to a step: the wall time of a verify + draft
 step (always drafting) over that of a plain MTP-off step, minus one; `accept_rate_by_position`
 is the fraction of verified windows reaching draft position i that accepted it, and
@@ -74,8 +75,9 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weight 
 _WEIGHTS = flags.DEFINE_enum("weights", "quantized", list(loading.WEIGHTS),
                              "quantized: GGUF quantization kept on the device; dense: dequantized")
 _DRAFT_TOKENS = flags.DEFINE_list(
-    "draft_tokens", ["1"], "draft windows to measure: draft tokens per step (1..8) or "
-    "`adaptive`; one JSON line per value and slot count, e.g. --draft_tokens=1,2,3,5,adaptive")
+    "draft_tokens", ["package"], "draft windows to measure: draft tokens per step (1..8), "
+    "`adaptive` or `package` (the window the source's strategy resolves to, what the server "
+    "runs); one JSON line per value and slot count, e.g. --draft_tokens=1,2,3,5,adaptive")
 
 _STRATEGY = flags.DEFINE_list(
     "strategy", [], "compare speculative strategies instead of MTP off/on: any value "
@@ -115,16 +117,20 @@ def _prompts(model) -> list[np.ndarray]:
           for _ in range(_PROMPTS.value)]
 
 
-def _windows(values: list[str]) -> list[DraftWindow]:
-  """The `--draft_tokens` windows; `adaptive` spans 1..the largest fixed value (3 without)."""
-  fixed = []
+def _check_windows(values: list[str]) -> None:
   for value in values:
-    if value != "adaptive" and not (value.isdigit() and 1 <= int(value) <= MAX_DRAFT_TOKENS):
-      raise app.UsageError(f"--draft_tokens takes 1..{MAX_DRAFT_TOKENS} or adaptive, got {value}")
-    fixed += [int(value)] if value != "adaptive" else []
-  top = max(fixed, default=3)
-  return [DraftWindow(1, min(2, top), top, adaptive=True) if value == "adaptive"
-          else DraftWindow.fixed(int(value)) for value in values]
+    if value not in ("adaptive", "package") and not (
+        value.isdigit() and 1 <= int(value) <= MAX_DRAFT_TOKENS):
+      raise app.UsageError(f"--draft_tokens takes 1..{MAX_DRAFT_TOKENS}, adaptive or package, "
+                           f"got {value}")
+
+
+def _windows(values: list[str], package: DraftWindow) -> list[DraftWindow]:
+  """The `--draft_tokens` windows; `adaptive` spans 1..the largest fixed value (3 without),
+  `package` is the source's resolved window."""
+  top = max((int(v) for v in values if v.isdigit()), default=3)
+  named = {"adaptive": DraftWindow(1, min(2, top), top, adaptive=True), "package": package}
+  return [named[v] if v in named else DraftWindow.fixed(int(v)) for v in values]
 
 
 def _timed_run(engine, requests: list[Request], adaptive: AdaptiveDrafting | None,
@@ -167,7 +173,7 @@ def main(argv):
     raise app.UsageError(f"--slots takes integers, got {_SLOTS.value}") from exc
   if not slot_counts or min(slot_counts) < 1:
     raise app.UsageError(f"--slots values must be >= 1, got {_SLOTS.value}")
-  windows = _windows(_DRAFT_TOKENS.value)
+  _check_windows(_DRAFT_TOKENS.value)
   with tempfile.TemporaryDirectory(prefix="bench_decode.") as tmp:
     start = time.perf_counter()
     model, source = _open_model(pathlib.Path(tmp))
@@ -180,7 +186,7 @@ def main(argv):
       raise errors.SpeculativeConfigError(
           f"native MTP is off for this source: {resolution.reason}", field="speculative",
           remedy="unset MTPJAX_NATIVE_MTP to compare MTP on against MTP off")
-
+    windows = _windows(_DRAFT_TOKENS.value, resolution.draft_window)
     for slots in slot_counts:
       for window in windows:
         print(json.dumps(_measure(model, source, load_s, slots, window)), flush=True)

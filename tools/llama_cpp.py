@@ -25,8 +25,9 @@ def parse_llama_bench(text: str) -> dict[tuple[str, int], float]:
   return out
 
 
-def run(binary: str, *args: str) -> str:
-  """Runs a llama.cpp program with its folder on LD_LIBRARY_PATH; returns its stdout."""
+def run(binary: str, *args: str, stream: str = "stdout") -> str:
+  """Runs a llama.cpp program with its folder on LD_LIBRARY_PATH; returns its `stream`
+  ("stdout", or "stderr", where the examples log their counters)."""
   folder = str(pathlib.Path(binary).resolve().parent)
   env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(
       p for p in (folder, os.environ.get("LD_LIBRARY_PATH", "")) if p))
@@ -34,7 +35,27 @@ def run(binary: str, *args: str) -> str:
   if done.returncode != 0:
     raise RuntimeError(f"{pathlib.Path(binary).name} failed ({done.returncode}):\n"
                        f"{done.stderr[-2000:]}")
-  return done.stdout
+  return getattr(done, stream)
+
+
+_SPECULATIVE_COUNTERS = ("n_draft", "n_predict", "n_drafted", "n_accept")
+
+
+def parse_speculative(log: str) -> dict[str, int]:
+  """`llama-speculative-simple`'s closing counters (its log lines `I n_drafted = 76`):
+  {"n_draft", "n_predict", "n_drafted", "n_accept"}."""
+  found = {}
+  for line in log.splitlines():
+    words = line.split()
+    for name in _SPECULATIVE_COUNTERS:
+      if name in words and words.index(name) + 2 < len(words) and (
+          words[words.index(name) + 1] == "="):
+        found[name] = int(words[words.index(name) + 2])
+  missing = [name for name in _SPECULATIVE_COUNTERS if name not in found]
+  if missing:
+    raise ValueError(f"llama-speculative-simple log lacks {', '.join(missing)}; its end:\n"
+                     f"{log[-1000:]}")
+  return found
 
 
 def run_llama_bench(llama_bench: str, gguf_path: str, threads: int, prompt: int, gen: int,

@@ -10,8 +10,12 @@ pairs x_p with the trunk hidden h_{p-1}, zero for row 0, and predicts x_{p+1}). 
 the same block over rows pairing x_p with its own depth d - 1 output y_{p-1} (before the head
 norm, as the chain feeds it back), teacher-forced with the true tokens. The forward is
 `mtpjax.models` itself; only the optimiser loop and the export live here. The result is written
-with mtpjax's GGUF writer in llama.cpp's `glm4moe` layout, then split into a layer package,
-with a MODEL_CARD.md holding the flags and held-out metrics.
+with mtpjax's GGUF writer in llama.cpp's `glm4moe` layout, then split into a layer package
+whose native-MTP strategy advertises `--window_policy`, with a MODEL_CARD.md holding the flags,
+the held-out training metrics, and what the exported package does when it decodes held-out
+prompts: the accept rate per draft depth and tokens per target pass at windows 1..3 (greedy,
+drafting every step), beside llama.cpp's `draft-mtp` accept rate on the same prompts' text and
+GGUF (`--llama_speculative`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from absl import app, flags
 
 import jax
 import jax.numpy as jnp
+import mtpjax
 import numpy as np
 import optax
 from flax import nnx
@@ -34,13 +39,18 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mtpjax import loading
 from mtpjax.gguf.tokenizer import GgufTokenizer, glm_pre_tokenizer
-from mtpjax.models.config import ModelConfig
+from mtpjax.draft_window import DraftWindow
+from mtpjax.engine.sampling import SamplerParams
+from mtpjax.engine.scheduler import Request, SlotScheduler
 from mtpjax.engine.steps import fresh_forward, fresh_mtp_rows
+from mtpjax.models.config import ModelConfig
 from mtpjax.models import registry
 from mtpjax.models.interface import StageLayout, previous_hidden
-from mtpjax.package.writer import split_gguf
+from mtpjax.package.writer import check_window_policy, parse_window_policy, split_gguf
+from mtpjax.telemetry import MtpStats
 from mtpjax.testing import tiny_glm
-from mtpjax.testing.corpus import split_corpus
+from mtpjax.testing.corpus import held_out_prompts, split_corpus
+from tools import llama_cpp
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "mtpjax/assets/glm-demo", "package directory to write")
@@ -60,6 +70,15 @@ flags.DEFINE_integer("seed", 0, "seed for data order and initialisation")
 flags.DEFINE_integer("eval_batches", 8, "held-out batches for the metrics")
 flags.DEFINE_string("tensor_type", "Q8_0", "GGUF storage type of the weight matrices")
 flags.DEFINE_integer("corpus_files", 0, "use only the first N corpus files (0: all)")
+flags.DEFINE_string("window_policy", "fixed:1:1:1", "the package's native-MTP draft window, "
+                    "DEFAULT:MIN:INITIAL:MAX; more than one token is declared as strategy `mtp`")
+flags.DEFINE_string("llama_speculative", "", "llama.cpp's llama-speculative-simple: state its "
+                    "draft-mtp accept rate on the exported GGUF in the card (empty: not run)")
+flags.DEFINE_list("card_windows", ["1", "2", "3"], "draft windows the card's held-out decode "
+                  "figures are measured at")
+flags.DEFINE_integer("card_new_tokens", 128, "tokens each card prompt decodes")
+
+CARD_PROMPTS, CARD_PROMPT_LEN = 8, 64     # held-out prompts (seed 0) the card decodes
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> dict:
   """GGUF tokenizer key/values of a byte-level BPE trained with GLM's pre-tokenizer."""
@@ -147,8 +166,56 @@ def batches(ids: np.ndarray, batch: int, seq_len: int, rng: np.random.Generator)
     yield np.stack([ids[s:s + seq_len] for s in starts]).astype(np.int32)
 
 
+def decode_figures(package: pathlib.Path) -> dict:
+  """Per card window k: accept rate per draft depth, overall, and tokens per target pass of
+  the package decoding held-out prompts greedily, drafting k tokens at every step."""
+  model = mtpjax.load(str(package))
+  prompts = card_prompts(model.metadata)
+  requests = [Request(prompt=np.asarray(p, np.int32), max_new_tokens=FLAGS.card_new_tokens,
+                      sampler=SamplerParams(0.0, 0, 1.0, seed=i)) for i, p in enumerate(prompts)]
+  figures = {}
+  for k in map(int, FLAGS.card_windows):
+    engine = model.engine(native_mtp=True, draft_tokens=k, slots=len(prompts),
+                          max_len=CARD_PROMPT_LEN + FLAGS.card_new_tokens + 1)
+    results = SlotScheduler(engine, adaptive=None, window=DraftWindow.fixed(k)).run(requests)
+    stats = MtpStats.total(r.stats for r in results)
+    figures[str(k)] = {"accept_rate": stats.accept_rate,
+                       "accept_rate_by_depth": stats.accept_rate_by_position,
+                       "tokens_per_target_pass": stats.tokens_per_target_pass}
+  return figures
+
+
+def card_prompts(metadata: dict) -> list[list[int]]:
+  return held_out_prompts(GgufTokenizer.from_metadata(metadata).encode, CARD_PROMPTS,
+                          CARD_PROMPT_LEN, seed=0)
+
+
+def llama_cpp_figures(binary: str, gguf_path: pathlib.Path, tokenizer_meta: dict) -> dict:
+  """Per card window k: llama.cpp's `draft-mtp` accept rate (accepted / drafted, summed over
+  the card's prompts, each decoded from its ids to text and run greedily on one thread)."""
+  tokenizer = GgufTokenizer.from_metadata(tokenizer_meta)
+  texts = [tokenizer.decode(p) for p in card_prompts(tokenizer_meta)]
+  figures = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    for k in map(int, FLAGS.card_windows):
+      drafted = accepted = 0
+      for i, text in enumerate(texts):
+        prompt = pathlib.Path(tmp) / f"prompt-{i}.txt"
+        prompt.write_text(text)
+        counts = llama_cpp.parse_speculative(llama_cpp.run(
+            binary, "-m", str(gguf_path), "-f", str(prompt), "-n", str(FLAGS.card_new_tokens),
+            "--spec-type", "draft-mtp", "--spec-draft-n-max", str(k), "--temp", "0",
+            "--top-k", "1", "-t", "1", "--seed", str(i), "-c", "1024", stream="stderr"))
+        drafted += counts["n_drafted"]
+        accepted += counts["n_accept"]
+      figures[str(k)] = {"accept_rate": accepted / drafted if drafted else 0.0,
+                         "drafted": drafted, "accepted": accepted}
+  return figures
+
+
 def export(graphdef, state, spec, cfg, tokenizer_meta, out_dir: pathlib.Path, card: dict):
-  """Float32 params -> GGUF (spec.tensor_type) -> layer package, written atomically."""
+  """Float32 params -> GGUF (spec.tensor_type) -> layer package, measured for the card, then
+  renamed into place."""
   layout = StageLayout.whole(cfg, mtp=True)
   leaves = loading.flat_paths(state)
   transposed = loading.linear_weight_paths(state)
@@ -162,7 +229,18 @@ def export(graphdef, state, spec, cfg, tokenizer_meta, out_dir: pathlib.Path, ca
     gguf_path = work / "glm-demo.gguf"
     tiny_glm.write_glm_gguf(gguf_path, spec, tensors, tokenizer_meta, model_name="mtpjax-glm-demo")
     package = work / "package"
-    split_gguf(gguf_path, package, model_id=f"mtpjax/glm-demo:{spec.tensor_type}")
+    window = check_window_policy(parse_window_policy(FLAGS.window_policy))
+    split_gguf(gguf_path, package, model_id=f"mtpjax/glm-demo:{spec.tensor_type}",
+               generation_format="native-mtp-n1" if window["max_window"] == 1 else "mtp",
+               window_policy=window)
+    card["window_policy"] = window
+    card["decode"] = decode_figures(package)
+    if FLAGS.llama_speculative:
+      try:
+        card["llama_cpp_draft_mtp"] = llama_cpp_figures(FLAGS.llama_speculative, gguf_path,
+                                                        tokenizer_meta)
+      except (OSError, RuntimeError, ValueError) as error:   # the trained model is kept
+        card["llama_cpp_draft_mtp_error"] = str(error)[-500:]
     (package / "MODEL_CARD.md").write_text(model_card(card))
     if out_dir.exists():
       shutil.rmtree(out_dir)
@@ -174,6 +252,29 @@ def export(graphdef, state, spec, cfg, tokenizer_meta, out_dir: pathlib.Path, ca
 
 def _figures(values) -> str:
   return ", ".join(f"{v:.3f}" for v in values)
+
+
+def decode_table(card: dict) -> str:
+  """The card's held-out decoding section: ours per window, llama.cpp's beside it when run."""
+  window = card["window_policy"]
+  llama = card.get("llama_cpp_draft_mtp", {})
+  llama_missing = "failed (see the record)" if "llama_cpp_draft_mtp_error" in card else "not run"
+  rows = "\n".join(
+      f"| {k} | {_figures(f['accept_rate_by_depth'])} | {f['accept_rate']:.3f} | "
+      f"{f['tokens_per_target_pass']:.2f} | "
+      f"{format(llama[k]['accept_rate'], '.3f') if k in llama else llama_missing} |"
+      for k, f in card["decode"].items())
+  return f"""The package's native-MTP strategy advertises the draft window `{window['default']}`
+{window['min_window']}..{window['max_window']} tokens (initial {window['initial_window']}).
+Decoding {CARD_PROMPTS} held-out prompts of {CARD_PROMPT_LEN} tokens, {FLAGS.card_new_tokens} new
+tokens each, greedy, drafting every step at a fixed window (llama.cpp: `llama-speculative-simple
+--spec-type draft-mtp --spec-draft-n-max K --temp 0 --top-k 1` on the same GGUF and the same
+prompts as text; accept rate = accepted / drafted):
+
+| window | mtpjax accept rate per depth 1..K | mtpjax accept rate | tokens per target pass | llama.cpp accept rate |
+|---|---|---|---|---|
+{rows}
+"""
 
 
 def model_card(card: dict) -> str:
@@ -195,6 +296,7 @@ Reproduce: `python tools/train_demo.py {' '.join(f'--{k}={v}' for k, v in card['
 | per draft depth 1..D: MTP cross-entropy | {_figures(m['ce_mtp_by_depth'])} |
 | per draft depth 1..D: argmax agreement (teacher-forced) | {_figures(m['mtp_agreement_by_depth'])} |
 
+{decode_table(card)}
 Training took {card['train_seconds']:.0f} s. Full record:
 
 ```json
@@ -208,7 +310,8 @@ def main(argv):
   flag_values = {k: FLAGS[k].value for k in ("steps", "batch", "seq_len", "lr", "mtp_weight",
                                                  "vocab", "hidden", "layers", "experts",
                                                  "expert_ffn", "seed", "tensor_type",
-                                                 "corpus_files")}
+                                                 "corpus_files", "window_policy")}
+  check_window_policy(parse_window_policy(FLAGS.window_policy))   # before, not after, training
   depth_weights = tuple(float(w) for w in FLAGS.mtp_depth_weights)
   if len(depth_weights) > 1:   # one entry keeps the shipped model's reproduce line unchanged
     flag_values["mtp_depth_weights"] = ",".join(FLAGS.mtp_depth_weights)
