@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 
 import gguf
@@ -39,18 +40,13 @@ def run(binary: str, *args: str, stream: str = "stdout") -> str:
 
 
 _SPECULATIVE_COUNTERS = ("n_draft", "n_predict", "n_drafted", "n_accept")
+_SPECULATIVE_LINE = re.compile(r"\b(" + "|".join(_SPECULATIVE_COUNTERS) + r")\s*=\s*(\d+)")
 
 
 def parse_speculative(log: str) -> dict[str, int]:
   """`llama-speculative-simple`'s closing counters (its log lines `I n_drafted = 76`):
   {"n_draft", "n_predict", "n_drafted", "n_accept"}."""
-  found = {}
-  for line in log.splitlines():
-    words = line.split()
-    for name in _SPECULATIVE_COUNTERS:
-      if name in words and words.index(name) + 2 < len(words) and (
-          words[words.index(name) + 1] == "="):
-        found[name] = int(words[words.index(name) + 2])
+  found = {name: int(value) for name, value in _SPECULATIVE_LINE.findall(log)}
   missing = [name for name in _SPECULATIVE_COUNTERS if name not in found]
   if missing:
     raise ValueError(f"llama-speculative-simple log lacks {', '.join(missing)}; its end:\n"

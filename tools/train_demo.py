@@ -166,11 +166,10 @@ def batches(ids: np.ndarray, batch: int, seq_len: int, rng: np.random.Generator)
     yield np.stack([ids[s:s + seq_len] for s in starts]).astype(np.int32)
 
 
-def decode_figures(package: pathlib.Path) -> dict:
+def decode_figures(package: pathlib.Path, prompts: list[list[int]]) -> dict:
   """Per card window k: accept rate per draft depth, overall, and tokens per target pass of
-  the package decoding held-out prompts greedily, drafting k tokens at every step."""
+  the package decoding the prompts greedily, drafting k tokens at every step."""
   model = mtpjax.load(str(package))
-  prompts = card_prompts(model.metadata)
   requests = [Request(prompt=np.asarray(p, np.int32), max_new_tokens=FLAGS.card_new_tokens,
                       sampler=SamplerParams(0.0, 0, 1.0, seed=i)) for i, p in enumerate(prompts)]
   figures = {}
@@ -185,16 +184,9 @@ def decode_figures(package: pathlib.Path) -> dict:
   return figures
 
 
-def card_prompts(metadata: dict) -> list[list[int]]:
-  return held_out_prompts(GgufTokenizer.from_metadata(metadata).encode, CARD_PROMPTS,
-                          CARD_PROMPT_LEN, seed=0)
-
-
-def llama_cpp_figures(binary: str, gguf_path: pathlib.Path, tokenizer_meta: dict) -> dict:
+def llama_cpp_figures(binary: str, gguf_path: pathlib.Path, texts: list[str]) -> dict:
   """Per card window k: llama.cpp's `draft-mtp` accept rate (accepted / drafted, summed over
-  the card's prompts, each decoded from its ids to text and run greedily on one thread)."""
-  tokenizer = GgufTokenizer.from_metadata(tokenizer_meta)
-  texts = [tokenizer.decode(p) for p in card_prompts(tokenizer_meta)]
+  the card's prompts as text, each run greedily on one thread)."""
   figures = {}
   with tempfile.TemporaryDirectory() as tmp:
     for k in map(int, FLAGS.card_windows):
@@ -213,9 +205,10 @@ def llama_cpp_figures(binary: str, gguf_path: pathlib.Path, tokenizer_meta: dict
   return figures
 
 
-def export(graphdef, state, spec, cfg, tokenizer_meta, out_dir: pathlib.Path, card: dict):
-  """Float32 params -> GGUF (spec.tensor_type) -> layer package, measured for the card, then
-  renamed into place."""
+def export(graphdef, state, spec, cfg, tokenizer_meta, window: dict, out_dir: pathlib.Path,
+           card: dict):
+  """Float32 params -> GGUF (spec.tensor_type) -> layer package advertising `window`, measured
+  for the card on held-out prompts, then renamed into place."""
   layout = StageLayout.whole(cfg, mtp=True)
   leaves = loading.flat_paths(state)
   transposed = loading.linear_weight_paths(state)
@@ -229,16 +222,17 @@ def export(graphdef, state, spec, cfg, tokenizer_meta, out_dir: pathlib.Path, ca
     gguf_path = work / "glm-demo.gguf"
     tiny_glm.write_glm_gguf(gguf_path, spec, tensors, tokenizer_meta, model_name="mtpjax-glm-demo")
     package = work / "package"
-    window = check_window_policy(parse_window_policy(FLAGS.window_policy))
     split_gguf(gguf_path, package, model_id=f"mtpjax/glm-demo:{spec.tensor_type}",
                generation_format="native-mtp-n1" if window["max_window"] == 1 else "mtp",
                window_policy=window)
     card["window_policy"] = window
-    card["decode"] = decode_figures(package)
+    tokenizer = GgufTokenizer.from_metadata(tokenizer_meta)
+    prompts = held_out_prompts(tokenizer.encode, CARD_PROMPTS, CARD_PROMPT_LEN, seed=0)
+    card["decode"] = decode_figures(package, prompts)
     if FLAGS.llama_speculative:
       try:
-        card["llama_cpp_draft_mtp"] = llama_cpp_figures(FLAGS.llama_speculative, gguf_path,
-                                                        tokenizer_meta)
+        card["llama_cpp_draft_mtp"] = llama_cpp_figures(
+            FLAGS.llama_speculative, gguf_path, [tokenizer.decode(p) for p in prompts])
       except (OSError, RuntimeError, ValueError) as error:   # the trained model is kept
         card["llama_cpp_draft_mtp_error"] = str(error)[-500:]
     (package / "MODEL_CARD.md").write_text(model_card(card))
@@ -311,7 +305,7 @@ def main(argv):
                                                  "vocab", "hidden", "layers", "experts",
                                                  "expert_ffn", "seed", "tensor_type",
                                                  "corpus_files", "window_policy")}
-  check_window_policy(parse_window_policy(FLAGS.window_policy))   # before, not after, training
+  window = check_window_policy(parse_window_policy(FLAGS.window_policy))   # before training
   depth_weights = tuple(float(w) for w in FLAGS.mtp_depth_weights)
   if len(depth_weights) > 1:   # one entry keeps the shipped model's reproduce line unchanged
     flag_values["mtp_depth_weights"] = ",".join(FLAGS.mtp_depth_weights)
@@ -365,7 +359,7 @@ def main(argv):
                       "mtp_agreement": float(metrics[2][0]),
                       "ce_mtp_by_depth": metrics[1].tolist(),
                       "mtp_agreement_by_depth": metrics[2].tolist()}}
-  export(graphdef, state, spec, cfg, tokenizer_meta, pathlib.Path(FLAGS.out), card)
+  export(graphdef, state, spec, cfg, tokenizer_meta, window, pathlib.Path(FLAGS.out), card)
   print(json.dumps(card), flush=True)
 
 

@@ -37,7 +37,6 @@ DEFAULT_STRATEGY = "native-mtp-n1"
 GENERATION_FORMATS = (DEFAULT_STRATEGY, "mtp", "proposers")
 # What native MTP's strategy advertises unless told: one draft token, as the seed's packages do.
 FIXED_WINDOW = {"default": "fixed", "initial_window": 1, "min_window": 1, "max_window": 1}
-_WINDOW_FIELDS = ("default", "initial_window", "min_window", "max_window", "pipeline_depth")
 _COMPARE_CHUNK_BYTES = 16 << 20
 _SHARD_SUFFIX = re.compile(r"-[0-9]{5}-of-[0-9]{5}$")
 _MODEL_ID = re.compile(r"[^\s/:@]+/[^\s/:@]+(:[^\s/:@]+)?")
@@ -182,8 +181,9 @@ def check_window_policy(window: dict) -> dict:
     raise errors.PackageError(f"window policy {window!r}: {flaws[0]['message']}",
                               field="window_policy", remedy="give positive integer windows with "
                               "min_window <= initial_window <= max_window and a default")
-  # In the schema's field order, which v2's package identity serialises.
-  return {field: window[field] for field in _WINDOW_FIELDS if field in window}
+  # In the schema's field order (WindowPolicy's), which v2's package identity serialises.
+  return {field.name: window[field.name] for field in dataclasses.fields(manifest_lib.WindowPolicy)
+          if field.name in window}
 
 
 def _generation(source: ModelSource, generation_format: str, window: dict) -> dict | None:
