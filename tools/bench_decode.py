@@ -28,6 +28,8 @@ lost to prefill and to the passes that commit a request's last token). `draft_ms
 between the two halves of a step, so they include one more dispatch. `weights_mb_per_step` is
 what each kind of step reads from the weights; where steps are bound by memory bandwidth (a
 CPU host), `bandwidth_bound_speedup` (tokens per target pass x their ratio) is the ceiling.
+`policy` is the cost policy's state on the MTP-on engine after the timed passes, per slot
+bucket: its step prices, the window cap, the pause left and the gain it last measured per cap.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import mtpjax
 from mtpjax import errors, loading
 from mtpjax.draft_window import MAX_DRAFT_TOKENS, DraftWindow
 from mtpjax.engine.contract import pow2_bucket, warm_up
-from mtpjax.engine.drafting_policy import AdaptiveDrafting
+from mtpjax.engine.drafting_policy import AdaptiveDrafting, DraftingCost
 from mtpjax.engine.scheduler import Request, Result, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.gguf.tokenizer import GgufTokenizer
@@ -151,6 +153,21 @@ def _step_ms(results: list[Result]) -> float:
   steps = [(r.total_time_s - r.time_to_first_token_s) / (r.stats.target_passes - 1)
            for r in results if r.stats.target_passes > 1]
   return 1e3 * float(np.mean(steps)) if steps else 0.0
+
+
+def _policy(engine) -> dict:
+  """The cost policy's prices and standing verdict per slot bucket after the timed passes: why
+  MTP on drafted (at which window cap) or paused."""
+  report = {}
+  for bucket, cost in sorted(DraftingCost.table(engine).items()):
+    verdict = cost.verdict
+    report[str(bucket)] = {
+        "step_ms": {kind: 1e3 * cost.price(drafting) if len(cost.seconds[drafting]) > 1
+                    else None for kind, drafting in (("drafting", True), ("plain", False))},
+        "window_cap": verdict.window_cap, "paused_steps": verdict.paused_steps,
+        "backoff": verdict.backoff,
+        "gain_by_cap": {str(cap): gain for cap, gain in sorted(verdict.cap_gain.items())}}
+  return report
 
 
 def _latency_ms(results: list[Result]) -> dict:
@@ -297,6 +314,7 @@ def _measure(model, source: str, load_s: float, slots: int, window: DraftWindow)
       "load_s": load_s,
       "compile_s": compile_s,
       "native_mtp": timing.as_dict(),   # the timing pass: same counters, durations filled
+      "policy": _policy(engines["on"]),
   }
   return line
 
