@@ -59,8 +59,8 @@ flags.DEFINE_integer("batch", 16, "sequences per step")
 flags.DEFINE_integer("seq_len", 128, "tokens per training sequence")
 flags.DEFINE_float("lr", 3e-3, "peak learning rate")
 flags.DEFINE_float("mtp_weight", 0.3, "weight of the MTP cross-entropy")
-flags.DEFINE_list("mtp_depth_weights", ["1"], "per draft depth 1..D, its share of mtp_weight "
-                  "(one entry: the single-token head the shipped demo was trained with)")
+flags.DEFINE_list("mtp_depth_weights", ["1", "0.6", "0.4"], "per draft depth 1..D, its share "
+                  "of mtp_weight (one entry: a single-token head)")
 flags.DEFINE_integer("vocab", 4096, "byte-level BPE vocabulary size (GLM specials included)")
 flags.DEFINE_integer("hidden", 256, "model width")
 flags.DEFINE_integer("layers", 4, "trunk layers (layer 0 dense, MoE after)")
@@ -70,7 +70,7 @@ flags.DEFINE_integer("seed", 0, "seed for data order and initialisation")
 flags.DEFINE_integer("eval_batches", 8, "held-out batches for the metrics")
 flags.DEFINE_string("tensor_type", "Q8_0", "GGUF storage type of the weight matrices")
 flags.DEFINE_integer("corpus_files", 0, "use only the first N corpus files (0: all)")
-flags.DEFINE_string("window_policy", "fixed:1:1:1", "the package's native-MTP draft window, "
+flags.DEFINE_string("window_policy", "adaptive:1:2:3", "the package's native-MTP draft window, "
                     "DEFAULT:MIN:INITIAL:MAX; more than one token is declared as strategy `mtp`")
 flags.DEFINE_string("llama_speculative", "", "llama.cpp's llama-speculative-simple: state its "
                     "draft-mtp accept rate on the exported GGUF in the card (empty: not run)")
