@@ -29,11 +29,13 @@ between the two halves of a step, so they include one more dispatch. `weights_mb
 what each kind of step reads from the weights; where steps are bound by memory bandwidth (a
 CPU host), `bandwidth_bound_speedup` (tokens per target pass x their ratio) is the ceiling.
 `policy` is the cost policy's state on the MTP-on engine after the timed passes, per slot
-bucket: its step prices, the window cap, the pause left and the gain it last measured per cap.
+bucket: its step prices and its verdict (the window cap, the pause left, its backoff and the gain
+it last measured per cap).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import pathlib
@@ -156,17 +158,14 @@ def _step_ms(results: list[Result]) -> float:
 
 
 def _policy(engine) -> dict:
-  """The cost policy's prices and standing verdict per slot bucket after the timed passes: why
-  MTP on drafted (at which window cap) or paused."""
+  """The cost policy's prices and standing verdict (`BatchVerdict`'s fields) per slot bucket
+  after the timed passes: why MTP on drafted (at which window cap) or paused."""
   report = {}
   for bucket, cost in sorted(DraftingCost.table(engine).items()):
-    verdict = cost.verdict
-    report[str(bucket)] = {
-        "step_ms": {kind: 1e3 * cost.price(drafting) if len(cost.seconds[drafting]) > 1
-                    else None for kind, drafting in (("drafting", True), ("plain", False))},
-        "window_cap": verdict.window_cap, "paused_steps": verdict.paused_steps,
-        "backoff": verdict.backoff,
-        "gain_by_cap": {str(cap): gain for cap, gain in sorted(verdict.cap_gain.items())}}
+    prices = {kind: 1e3 * cost.price(drafting)
+              for kind, drafting in (("drafting", True), ("plain", False))
+              if len(cost.seconds[drafting]) > 1}     # a price drops the slowest of its steps
+    report[str(bucket)] = {"step_ms": prices, **dataclasses.asdict(cost.verdict)}
   return report
 
 
