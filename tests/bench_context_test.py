@@ -34,11 +34,22 @@ class BenchContextTest(absltest.TestCase):
   def test_steps_report_the_pages_a_slot_holds(self):
     # The demo model: 4 layers x 2 KV heads x (64 + 64) float32 values a row, 16 rows a page.
     page_bytes = 4 * 2 * (64 + 64) * 4 * 16
-    result = bench_context("--modes=steps", "--held=128,1024", "--steps=2")
+    result = bench_context("--modes=steps", "--held=128,1024", "--steps=2", "--step_rounds=1",
+                           "--context=2048")
+    self.assertEqual(result["max_len"], 2048)
     # After 2 steps from position p the slot holds rows 0..p + 1: ceil((p + 2) / 16) pages.
     self.assertEqual(result["kv_bytes_held"], [9 * page_bytes, 65 * page_bytes])
     self.assertLen(result["blockwise_step_ms"], 2)
     self.assertLen(result["whole_cache_step_ms"], 2)
+    ms = result["blockwise_step_ms"]
+    self.assertEqual(result["blockwise_step_vs_first"], [1.0, round(ms[1] / ms[0], 3)])
+
+  def test_a_context_too_short_for_the_points_is_refused(self):
+    run = subprocess.run([sys.executable, "-m", "tools.bench_context", "--modes=steps",
+                          "--held=1024", "--context=1024"], cwd=REPO, capture_output=True,
+                         text=True, timeout=600)
+    self.assertNotEqual(run.returncode, 0)
+    self.assertIn("--context=1024 cannot hold --held up to 1024", run.stderr)
 
 
 if __name__ == "__main__":

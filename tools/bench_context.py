@@ -3,6 +3,7 @@
   python -m tools.bench_context --modes=start          # server launch to ready, 1st vs 2nd
   python -m tools.bench_context --modes=stall          # a long prompt's stall of a live stream
   python -m tools.bench_context --modes=steps          # step time against tokens held
+  python -m tools.bench_context --modes=steps --held=128,1024 --context=32768   # #17's ratio
   python -m tools.bench_context --modes=ttft           # TTFT cold vs a cached 1,900 tokens
 
 `start`: launches `python -m mtpjax.serve --config=configs/glm.py` twice on one fresh cache
@@ -40,6 +41,9 @@ _MAX_LEN = flags.DEFINE_integer("max_len", 4096, "engine context length (stall)"
 _HELD = flags.DEFINE_list("held", ["128", "1024", "4096", "16384", "32768"],
                           "tokens held by the slot (steps)")
 _STEPS = flags.DEFINE_integer("steps", 20, "timed steps per point (steps)")
+_STEP_ROUNDS = flags.DEFINE_integer("step_rounds", 2, "rounds over every point (steps)")
+_CONTEXT = flags.DEFINE_integer("context", 0, "engine context length (steps); 0: the largest "
+                                "--held + 64. #17 compares 128 and 1,024 held at 32768")
 _SHARED = flags.DEFINE_integer("shared", 1900, "tokens the second prompt shares (ttft)")
 _ROUNDS = flags.DEFINE_integer("ttft_rounds", 3, "cold / cached pairs (ttft)")
 
@@ -115,9 +119,13 @@ def measure_steps() -> dict:
   from mtpjax.engine.engine import Engine
   from mtpjax.engine.sampling import SamplerParams
   from mtpjax.models import blockwise
-  model = mtpjax.load(embedded.DEMO_PACKAGE)
   held = [int(h) for h in _HELD.value]
-  engine_cfg = EngineConfig(slots=1, max_len=max(held) + 64, prefill_buckets=(16,))
+  context = _CONTEXT.value or max(held) + 64
+  if context < max(held) + 64:
+    raise app.UsageError(f"--context={context} cannot hold --held up to {max(held)} and the "
+                         "timed steps; raise --context or drop the largest --held")
+  model = mtpjax.load(embedded.DEMO_PACKAGE)
+  engine_cfg = EngineConfig(slots=1, max_len=context, prefill_buckets=(16,))
   engines = {}
   for name, block in (("blockwise", blockwise.BLOCK), ("whole_cache", 2 * engine_cfg.cache_len)):
     blockwise.BLOCK = block      # read at trace time: each engine compiles with its own
@@ -132,28 +140,32 @@ def measure_steps() -> dict:
   pool_bytes = sum(a.nbytes for a in jax.tree.leaves(state.kv))
   out["kv_pool_bytes"] = pool_bytes
   page_bytes = pool_bytes / engine_cfg.pool_pages
-  out["kv_bytes_held"] = []          # the pages the slot holds at each point, in bytes
-  out.update({f"{name}_step_ms": [] for name in engines})
-  for tokens in held:
-    medians = {name: [] for name in engines}
-    for name, engine in list(engines.items()) * 2:
-      state = engine.init_state()
-      state = engine.insert(engine.prefill(np.arange(8, dtype=np.int32), SamplerParams(),
-                                           state=state), state, 0)
-      state.positions[0] = tokens          # the pages of a slot holding `tokens`
-      head = state.groups[0].head
-      state.groups[0].head = head.replace(slots=head.slots.replace(
-          pos=jax.numpy.full_like(head.slots.pos, tokens)))
-      times = []
-      for _ in range(_STEPS.value):
-        started = time.perf_counter()
-        state, _, _ = engine.step(state, active)
-        times.append(time.perf_counter() - started)
-      medians[name].append(float(np.median(times)) * 1e3)
-    for name, values in medians.items():
-      out[f"{name}_step_ms"].append(round(min(values), 3))
-    # The slot's pages follow the rows it holds, whichever way attention read them.
-    out["kv_bytes_held"].append(int(len(state.pages.slots[0].pages) * page_bytes))
+  out["kv_bytes_held"] = [0] * len(held)   # the pages the slot holds at each point, in bytes
+  medians = {name: [[] for _ in held] for name in engines}
+  # Rounds over every point and engine in turn: a noisy machine slows every point alike.
+  for _ in range(_STEP_ROUNDS.value):
+    for point, tokens in enumerate(held):
+      for name, engine in engines.items():
+        state = engine.init_state()
+        state = engine.insert(engine.prefill(np.arange(8, dtype=np.int32), SamplerParams(),
+                                             state=state), state, 0)
+        state.positions[0] = tokens          # the pages of a slot holding `tokens`
+        head = state.groups[0].head
+        state.groups[0].head = head.replace(slots=head.slots.replace(
+            pos=jax.numpy.full_like(head.slots.pos, tokens)))
+        times = []
+        for _ in range(_STEPS.value):
+          started = time.perf_counter()
+          state, _, _ = engine.step(state, active)
+          times.append(time.perf_counter() - started)
+        medians[name][point].append(float(np.median(times)) * 1e3)
+        # The slot's pages follow the rows it holds, whichever way attention read them.
+        out["kv_bytes_held"][point] = int(len(state.pages.slots[0].pages) * page_bytes)
+  for name, points in medians.items():
+    out[f"{name}_step_ms"] = [round(min(values), 3) for values in points]
+  # #17's figure: a step at each point over a step at the first (128 held at a 32K context).
+  out["blockwise_step_vs_first"] = [round(ms / out["blockwise_step_ms"][0], 3)
+                                    for ms in out["blockwise_step_ms"]]
   return out
 
 
