@@ -1,0 +1,105 @@
+"""Where a batch-1 decode step's time goes: device busy time against the step's wall time; one JSON line.
+
+Runs `--new_tokens` decode steps (MTP off) per `--weight_modes` mode under `jax.profiler`, reads
+the Perfetto trace JAX writes beside its own (`create_perfetto_trace`), and sums each trace
+line's events per step: on a GPU the device's compute stream shows every kernel, on a CPU the
+XLA worker threads. A device line busy for much less than the step's wall time means the host
+(the scheduler and engine in Python, the dispatch of the jitted step) bounds the step, not the
+kernels. The largest kernels per step come with it.
+
+  python -m tools.trace_decode --source=/tmp/flash4.gguf --dtype=bfloat16   # on a GPU host
+  python -m tools.trace_decode --source=mtpjax/assets/glm-demo --weight_modes=quantized
+
+The traces are kept under --trace_dir when it is set (open them in ui.perfetto.dev).
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import pathlib
+import tempfile
+
+import jax
+import numpy as np
+from absl import app, flags
+
+import mtpjax
+from mtpjax.engine.contract import pow2_bucket, warm_up
+from mtpjax.engine.sampling import SamplerParams
+from mtpjax.engine.scheduler import Request, SlotScheduler
+
+_SOURCE = flags.DEFINE_string("source", None, "GGUF or layer package", required=True)
+_WEIGHT_MODES = flags.DEFINE_list("weight_modes", ["quantized", "dense"],
+                                  "mtpjax.load(weights=...) modes, one trace each")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "activation dtype")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 33, "tokens decoded under the trace")
+_TOP = flags.DEFINE_integer("top", 12, "largest events reported per trace line")
+_TRACE_DIR = flags.DEFINE_string("trace_dir", None, "keep the traces here (default: dropped)")
+
+
+def busy_per_line(events: list[dict], steps: int, top: int) -> dict[str, dict]:
+  """Per trace line ('process | thread'): the summed duration of its complete ('X') events per
+  step in microseconds, and its `top` largest event names by that sum, largest line first.
+  Nested events (a host function and its callees) are each counted, so a host line can exceed
+  the wall time; a device stream's kernels do not nest."""
+  process = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+  thread = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+            if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  sums: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+  for e in events:
+    if e.get("ph") == "X":
+      line = f"{process.get(e['pid'], e['pid'])} | {thread.get((e['pid'], e.get('tid')), e.get('tid'))}"
+      sums[line][e["name"]] += e.get("dur", 0.0)
+  lines = {line: {"us_per_step": sum(c.values()) / steps,
+                  "top": [[name, total / steps] for name, total in c.most_common(top)]}
+           for line, c in sums.items()}
+  return dict(sorted(lines.items(), key=lambda item: -item[1]["us_per_step"]))
+
+
+def _trace(engine, request: Request, directory: str) -> tuple[float, list[dict]]:
+  """(mean decode step ms, the trace's events) of one traced request."""
+  jax.profiler.start_trace(directory, create_perfetto_trace=True)
+  try:
+    result = SlotScheduler(engine).run([request])[0]
+  finally:
+    jax.profiler.stop_trace()
+  (path,) = glob.glob(f"{directory}/plugins/profile/*/perfetto_trace.json.gz")
+  with gzip.open(path) as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  step_s = (result.total_time_s - result.time_to_first_token_s) / (result.stats.target_passes - 1)
+  return 1e3 * step_s, events
+
+
+def main(argv):
+  del argv
+  os.environ["MTPJAX_NATIVE_MTP"] = "0"   # MTP off: the NextN block is not loaded
+  steps = _NEW_TOKENS.value - 1
+  modes = {}
+  with tempfile.TemporaryDirectory(prefix="trace_decode.") as tmp:
+    root = pathlib.Path(_TRACE_DIR.value or tmp)
+    for mode in _WEIGHT_MODES.value:
+      model = mtpjax.load(_SOURCE.value, dtype=_DTYPE.value, weights=mode)
+      prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, 8).astype(np.int32)
+      request = Request(prompt=prompt, max_new_tokens=_NEW_TOKENS.value,
+                        sampler=SamplerParams(0.0, 0, 1.0, seed=0))
+      engine = model.engine(native_mtp=False, slots=1, max_len=prompt.size + steps + 3,
+                            prefill_buckets=(pow2_bucket(prompt.size + 1),))
+      warm_up(engine)
+      SlotScheduler(engine).run([request])            # untimed: device caches, first runs
+      step_ms, events = _trace(engine, request, str(root / mode))
+      modes[mode] = {"traced_step_ms": step_ms,
+                     "lines": busy_per_line(events, steps, _TOP.value)}
+  device = jax.devices()[0]
+  print(json.dumps({"source": _SOURCE.value, "dtype": _DTYPE.value, "steps": steps,
+                    "device": f"{device.platform}:{device.device_kind}", "modes": modes}),
+        flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
