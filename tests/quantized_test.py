@@ -67,6 +67,23 @@ class ExactnessTest(parameterized.TestCase):
     np.testing.assert_array_equal(np.asarray(got).T, want)
 
   @parameterized.parameters(*sorted(_SHAPES))
+  def test_tiled_contraction_reads_the_exact_values(self, type_name):
+    # XLA:CPU's path: 96 output rows are 3 tiles of 32; unit rows pick single weights out.
+    rng = np.random.default_rng(2 + sum(map(ord, type_name)))
+    shape = (96,) + _SHAPES[type_name][-1:]
+    raw = random_valid_blocks(rng, type_name, shape)
+    want = quants.dequantize(raw, GGMLQuantizationType[type_name]).reshape(shape)
+    fields = {n: jnp.asarray(a) for n, a in quant_blocks.unpack(type_name, raw, shape).items()}
+    eye = jnp.eye(shape[-1], dtype=jnp.float32)
+    got = jax.jit(quantized.tiled_contract, static_argnums=1)(eye, type_name, fields)
+    np.testing.assert_array_equal(np.asarray(got).T, want)
+
+  def test_tiles_divide_the_rows_or_are_not_used(self):
+    self.assertEqual(quantized._tile_rows(154880), 256)     # GLM's vocabulary: 605 tiles
+    self.assertEqual(quantized._tile_rows(576), 64)         # MLA's kv_a rows: 9 tiles
+    self.assertEqual(quantized._tile_rows(48), 0)           # 16-row tiles: dequantize whole
+
+  @parameterized.parameters(*sorted(_SHAPES))
   def test_int8_is_converted_only_where_stored(self, type_name):
     # XLA:CPU hands an int8 -> float32 convert in these fusions to YNNPACK, whose convert
     # crashed (SIGSEGV) in a GLM-4.7-Flash Q4_K_M decode step; centred integers are therefore
@@ -78,6 +95,7 @@ class ExactnessTest(parameterized.TestCase):
     x = jax.ShapeDtypeStruct((1, shape[-1]), jnp.float32)
     for jaxpr in (jax.make_jaxpr(quantized.fused_contract, static_argnums=1)(x, type_name, fields),
                   jax.make_jaxpr(quantized.dequantize_fields, static_argnums=0)(type_name, fields)):
+      # (tiled_contract dequantizes tiles with dequantize_fields, checked here)
       inputs = set(jaxpr.jaxpr.invars)
       computed = [e for e in jaxpr.eqns if e.primitive.name == "convert_element_type"
                   and e.invars[0].aval.dtype == np.int8 and e.invars[0] not in inputs]
@@ -90,12 +108,17 @@ class ExactnessTest(parameterized.TestCase):
       self.assertBetween(ratio, 1.0, 1.04, msg=type_name)
 
   def test_matmul_few_and_many_rows_use_the_exact_values(self):
+    # 48 rows: untiled on XLA:CPU; 96: three tiles of 32 there. Rows past FUSED_ROWS take the
+    # dequantize + GEMM path on accelerators.
     rng = np.random.default_rng(0)
-    shape = (48, 512)
+    for shape in ((48, 512), (96, 512)):
+      self._check_matmul(rng, shape)
+
+  def _check_matmul(self, rng, shape):
     raw = random_valid_blocks(rng, "Q4_K", shape)
     dense = quants.dequantize(raw, GGMLQuantizationType.Q4_K).reshape(shape)
     tensor = quantized.QuantizedTensor.from_raw("Q4_K", raw, shape)
-    for rows in (1, quantized.fused_rows() + 4):
+    for rows in (1, quantized.FUSED_ROWS + 4):
       x = rng.standard_normal((rows, shape[1])).astype(np.float32) * 1e-3
       got = np.asarray(jax.jit(quantized.matmul)(jnp.asarray(x), tensor))
       want = x.astype(np.float64) @ dense.T.astype(np.float64)

@@ -9,6 +9,8 @@ weight bytes / HBM bandwidth: `fraction_of_roofline` = (bytes per step / step ti
 
   python -m tools.bench_gpu_roofline --dtype=bfloat16     # H200: 4.8 TB/s HBM3e
   python -m tools.bench_gpu_roofline --source=/data/flash4.gguf --weight_modes=quantized,dense
+  python -m tools.bench_gpu_roofline --source=/tmp/flash4.gguf --weight_modes=quantized \
+      --slot_counts=1,8      # a step over 8 slots against one (#16's grouped-MoE decode figure)
 
 Weight bytes per step are `models/traffic.py`'s (routed experts at top-k of E, embeddings not
 counted).
@@ -46,6 +48,8 @@ _DIMS = flags.DEFINE_list("dims", [], "synthetic model's dimension overrides nam
 _WEIGHT_MODES = flags.DEFINE_list("weight_modes", ["quantized", "dense"],
                                   "mtpjax.load(weights=...) modes, alternated")
 _DECODE_TOKENS = flags.DEFINE_integer("decode_tokens", 128, "tokens decoded per round")
+_SLOT_COUNTS = flags.DEFINE_list("slot_counts", ["1"], "decode slots, one request each (the "
+                                 "first is the reference of `step_vs_first`), e.g. 1,8")
 _HBM_GB_S = flags.DEFINE_float("hbm_gb_s", 4800.0, "peak memory bandwidth, GB/s (H200: 4800)")
 
 
@@ -67,45 +71,58 @@ def main(argv):
       start = time.perf_counter()
       models[mode] = mtpjax.load(path, dtype=_DTYPE.value, weights=mode)
       load_s[mode] = time.perf_counter() - start
-    prompt = np.random.default_rng(_SEED.value).integers(
-        0, next(iter(models.values())).config.vocab_size, 8).astype(np.int32)
-    request = Request(prompt=prompt, max_new_tokens=_DECODE_TOKENS.value + 1,
-                      sampler=SamplerParams(0.0, 0, 1.0, seed=_SEED.value))
+    slot_counts = [int(n) for n in _SLOT_COUNTS.value]
+    rng = np.random.default_rng(_SEED.value)
+    vocab = next(iter(models.values())).config.vocab_size
+    requests = [Request(prompt=rng.integers(0, vocab, 8).astype(np.int32),
+                        max_new_tokens=_DECODE_TOKENS.value + 1,
+                        sampler=SamplerParams(0.0, 0, 1.0, seed=_SEED.value))
+                for _ in range(max(slot_counts))]
     engines = {}
     for mode, model in models.items():
-      engines[mode] = model.engine(native_mtp=False, slots=1,
-                                   max_len=prompt.size + _DECODE_TOKENS.value + 2,
-                                   prefill_buckets=(pow2_bucket(prompt.size + 1),))
-      warm_up(engines[mode])
-      _timed_run(engines[mode], [request], None)   # untimed: device caches
-    steps: dict[str, list[float]] = {mode: [] for mode in models}
+      for slots in slot_counts:
+        engines[mode, slots] = model.engine(native_mtp=False, slots=slots,
+                                            max_len=8 + _DECODE_TOKENS.value + 2,
+                                            prefill_buckets=(pow2_bucket(8 + 1),))
+        warm_up(engines[mode, slots])
+        _timed_run(engines[mode, slots], requests[:slots], None)   # untimed: device caches
+    steps: dict[tuple, list[float]] = {key: [] for key in engines}
     tokens = {}
     for _ in range(_ROUNDS.value):
-      for mode, engine in engines.items():
-        results, _ = _timed_run(engine, [request], None)
-        steps[mode].append(_step_ms(results))
-        tokens[mode] = results[0].tokens
+      for (mode, slots), engine in engines.items():
+        results, _ = _timed_run(engine, requests[:slots], None)
+        steps[mode, slots].append(_step_ms(results))
+        tokens[mode, slots] = [list(r.tokens) for r in results]
 
   device = jax.devices()[0]
   per_mode = {}
   for mode, model in models.items():
-    step_ms = float(np.median(steps[mode]))
-    mb = weight_mb_per_step(model.weights(with_mtp=False)[1], model.config, 1)["plain"]
-    achieved = mb / 1e3 / (step_ms / 1e3)            # GB/s
-    per_mode[mode] = {
-        "tokens_per_s": 1e3 / step_ms, "step_ms": step_ms, "step_ms_rounds": steps[mode],
-        "weight_mb_per_step": mb, "achieved_gb_s": achieved,
-        "fraction_of_roofline": achieved / _HBM_GB_S.value,
-        "roofline_tokens_per_s": _HBM_GB_S.value * 1e3 / mb, "load_s": load_s[mode]}
+    per_mode[mode] = {"load_s": load_s[mode]}
+    for slots in slot_counts:
+      step_ms = float(np.median(steps[mode, slots]))
+      mb = weight_mb_per_step(model.weights(with_mtp=False)[1], model.config, slots)["plain"]
+      achieved = mb / 1e3 / (step_ms / 1e3)            # GB/s
+      figures = {
+          "tokens_per_s": slots * 1e3 / step_ms, "step_ms": step_ms,
+          "step_ms_rounds": steps[mode, slots], "weight_mb_per_step": mb,
+          "achieved_gb_s": achieved, "fraction_of_roofline": achieved / _HBM_GB_S.value,
+          "roofline_tokens_per_s": slots * _HBM_GB_S.value * 1e3 / mb,
+          "step_vs_first": step_ms / float(np.median(steps[mode, slot_counts[0]]))}
+      # One slot count keeps the flat layout of the figures; several nest them by count.
+      if len(slot_counts) == 1:
+        per_mode[mode].update(figures)
+      else:
+        per_mode[mode][f"slots_{slots}"] = figures
   line = {
       "flags": {f.name: f.value for f in (_SOURCE, _VARIANT, _LAYERS, _TYPE, _DIMS, _WEIGHT_MODES,
-                                          _DTYPE,
-                                          _DECODE_TOKENS, _ROUNDS, _HBM_GB_S, _SEED)},
+                                          _DTYPE, _DECODE_TOKENS, _SLOT_COUNTS, _ROUNDS,
+                                          _HBM_GB_S, _SEED)},
       "device": f"{device.platform}:{device.device_kind}", "synthetic_write_s": made_s,
       "modes": per_mode,
-      "same_tokens": len({tuple(t) for t in tokens.values()}) == 1,
+      "same_tokens": all(len({str(tokens[mode, n]) for mode in models}) == 1
+                         for n in slot_counts),
   }
-  if {"quantized", "dense"} <= models.keys():
+  if {"quantized", "dense"} <= models.keys() and len(slot_counts) == 1:
     line["quantized_over_dense_speed"] = (per_mode["quantized"]["tokens_per_s"]
                                           / per_mode["dense"]["tokens_per_s"])
   print(json.dumps(line), flush=True)

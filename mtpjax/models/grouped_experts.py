@@ -5,7 +5,7 @@ many rows chose it, and arithmetic is proportional to rows x top-k, not rows x e
 
 - Few rows (decode, verify, small batches): a loop over the pairs, each contracting its row
   against its expert's weights read by id from the store (dense, or quantized integers via
-  `quantized.fused_contract`), pairs of one expert adjacent so a repeated expert is re-read from
+  `quantized.contract`), pairs of one expert adjacent so a repeated expert is re-read from
   cache, not memory.
 - Many rows (prefill): a loop over experts dequantizes each selected expert once and runs its
   rows through dense GEMMs in tiles (a grouped matmul). `jax.lax.ragged_dot` is the same
@@ -43,7 +43,7 @@ def _one_pair(x_row, weight, e):
   """One row against expert `e`'s `[out, in]` matrix, read from the store by id: [out]."""
   type_name, fields = quantized.gather(weight, e)
   if type_name is not None:
-    return quantized.fused_contract(x_row, type_name, fields)
+    return quantized.contract(x_row, type_name, fields)
   return fields["w"].astype(x_row.dtype) @ x_row
 
 

@@ -12,10 +12,14 @@ What each backend stores: every field as its GGUF bytes (f16 scales, int8 / uint
 4-bit values packed per byte, unpacked by shifts on the fly). That is portable (CPU, GPU, TPU)
 and costs 1.00x-1.04x the file's bytes; no backend gets a wider copy.
 
-Contraction (`matmul`): a decode row (on accelerators up to 16 rows: decode, verify) multiplies
-and reduces against the values computed from the integers inside one XLA loop, so no dense
-weight is materialized; more rows (prefill) dequantize the matrix once and use the backend's
-GEMM.
+Contraction (`matmul`, `contract`), by backend:
+- accelerators: up to FUSED_ROWS rows (decode, verify) multiply and reduce against the values
+  computed from the integers inside one XLA loop, so no dense weight is materialized; more rows
+  (prefill) dequantize the matrix once and use the backend's GEMM;
+- XLA:CPU: a tile of output rows at a time is dequantized (in cache) and contracted by a dot
+  (`tiled_contract`), for every row count. The fused reduction vectorizes badly there (0.5-2
+  G elements/s on 2 cores) and a whole-matrix dequantize writes the float32 matrix to memory
+  (1.3 GB for a 155K-row vocabulary head) before the GEMM reads it back.
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ from flax import nnx
 from mtpjax.gguf import quant_blocks
 
 F32 = jnp.float32
-# Row counts up to this contract in a fused loop against the integers; more rows dequantize
-# once and run a GEMM. On XLA:CPU the fused loop beats dequantize + GEMM for one row only (it
-# recomputes the values per row); on accelerators it reads 4-8x fewer bytes up to a few rows.
-def fused_rows() -> int:
-  return 1 if jax.default_backend() == "cpu" else 16
+# On accelerators, row counts up to this contract in a fused loop against the integers (it
+# reads 4-8x fewer bytes than a dense weight); more rows dequantize once and run a GEMM.
+FUSED_ROWS = 16
+# Output rows per tile of `tiled_contract` (at most; a power of two dividing the rows): a
+# float32 tile of 256 x 2048 values is 2 MB, about a core's L2.
+TILE_ROWS = 256
 
 
 class QuantizedTensor(nnx.Module):
@@ -176,9 +181,37 @@ def rows(weight, ids: jax.Array) -> jax.Array:
 
 def matmul(x: jax.Array, weight: QuantizedTensor) -> jax.Array:
   """`x [..., in]` times a quantized `[out, in]` weight, transposed: `[..., out]` in x's dtype."""
-  if math.prod(x.shape[:-1]) <= fused_rows():
-    return fused_contract(x, weight.type_name, weight.fields())
-  return jnp.einsum("...i,oi->...o", x, weight.dequantize().astype(x.dtype))
+  return contract(x, weight.type_name, weight.fields())
+
+
+def contract(x: jax.Array, type_name: str, fields: dict[str, jax.Array]) -> jax.Array:
+  """`x [..., in]` against one quantized `[out, in]` matrix's fields: `[..., out]` in x's dtype,
+  read the way this backend reads the integers fastest (see the module docstring)."""
+  if jax.default_backend() == "cpu":
+    if _tile_rows(fields["d"].shape[0]):
+      return tiled_contract(x, type_name, fields)
+  elif math.prod(x.shape[:-1]) <= FUSED_ROWS:
+    return fused_contract(x, type_name, fields)
+  return jnp.einsum("...i,oi->...o", x, dequantize_fields(type_name, fields).astype(x.dtype))
+
+
+def _tile_rows(out: int) -> int:
+  """Rows per tile for `out` output rows: the largest power of two up to TILE_ROWS dividing
+  `out`, or 0 when that is under 32 (tiles too small to pay for their loop)."""
+  tile = min(out & -out, TILE_ROWS)
+  return tile if tile >= 32 else 0
+
+
+def tiled_contract(x: jax.Array, type_name: str, fields: dict[str, jax.Array]) -> jax.Array:
+  """`x [..., in]` against quantized `[out, in]` fields, `_tile_rows(out)` output rows at a
+  time: each tile's exact float32 values, then a float32 dot with every row of x. The tile
+  stays in cache between the two, so the weights cross memory once, as their integers."""
+  out = fields["d"].shape[0]
+  tile = _tile_rows(out)
+  rows = x.reshape(-1, x.shape[-1]).astype(F32)
+  tiles = {name: a.reshape((out // tile, tile) + a.shape[1:]) for name, a in fields.items()}
+  _, y = jax.lax.scan(lambda _, f: (None, rows @ dequantize_fields(type_name, f).T), None, tiles)
+  return y.transpose(1, 0, 2).reshape(x.shape[:-1] + (out,)).astype(x.dtype)
 
 
 def _shifted(byte, shifts):
