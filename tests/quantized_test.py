@@ -68,20 +68,21 @@ class ExactnessTest(parameterized.TestCase):
 
   @parameterized.parameters(*sorted(_SHAPES))
   def test_tiled_contraction_reads_the_exact_values(self, type_name):
-    # XLA:CPU's path: 96 output rows are 3 tiles of 32; unit rows pick single weights out.
+    # XLA:CPU's path, 96 output rows in 3 tiles of 32; unit rows pick single weights out.
     rng = np.random.default_rng(2 + sum(map(ord, type_name)))
     shape = (96,) + _SHAPES[type_name][-1:]
     raw = random_valid_blocks(rng, type_name, shape)
     want = quants.dequantize(raw, GGMLQuantizationType[type_name]).reshape(shape)
     fields = {n: jnp.asarray(a) for n, a in quant_blocks.unpack(type_name, raw, shape).items()}
     eye = jnp.eye(shape[-1], dtype=jnp.float32)
-    got = jax.jit(quantized.tiled_contract, static_argnums=1)(eye, type_name, fields)
+    got = jax.jit(quantized.tiled_contract, static_argnums=(1, 3))(eye, type_name, fields, 32)
     np.testing.assert_array_equal(np.asarray(got).T, want)
 
   def test_tiles_divide_the_rows_or_are_not_used(self):
-    self.assertEqual(quantized._tile_rows(154880), 256)     # GLM's vocabulary: 605 tiles
-    self.assertEqual(quantized._tile_rows(576), 64)         # MLA's kv_a rows: 9 tiles
-    self.assertEqual(quantized._tile_rows(48), 0)           # 16-row tiles: dequantize whole
+    self.assertEqual(quantized._tile_rows(154880, 2048), 256)   # GLM's head: 605 tiles
+    self.assertEqual(quantized._tile_rows(5120, 768), 512)      # 512 x 768 <= 2^19 values
+    self.assertEqual(quantized._tile_rows(768, 256), 768)       # small enough for one tile
+    self.assertEqual(quantized._tile_rows(16 * 9, 4096), 0)     # 16-row tiles: not tiled
 
   @parameterized.parameters(*sorted(_SHAPES))
   def test_int8_is_converted_only_where_stored(self, type_name):
@@ -108,10 +109,10 @@ class ExactnessTest(parameterized.TestCase):
       self.assertBetween(ratio, 1.0, 1.04, msg=type_name)
 
   def test_matmul_few_and_many_rows_use_the_exact_values(self):
-    # 48 rows: untiled on XLA:CPU; 96: three tiles of 32 there. Rows past FUSED_ROWS take the
-    # dequantize + GEMM path on accelerators.
+    # On XLA:CPU 48 x 512 is one tile and 1,024 x 1,024 two tiles of 512. Rows past
+    # FUSED_ROWS take the dequantize + GEMM path on accelerators.
     rng = np.random.default_rng(0)
-    for shape in ((48, 512), (96, 512)):
+    for shape in ((48, 512), (1024, 1024)):
       self._check_matmul(rng, shape)
 
   def _check_matmul(self, rng, shape):

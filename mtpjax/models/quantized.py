@@ -16,8 +16,8 @@ Contraction (`matmul`, `contract`), by backend:
 - accelerators: up to FUSED_ROWS rows (decode, verify) multiply and reduce against the values
   computed from the integers inside one XLA loop, so no dense weight is materialized; more rows
   (prefill) dequantize the matrix once and use the backend's GEMM;
-- XLA:CPU: a tile of output rows at a time is dequantized (in cache) and contracted by a dot
-  (`tiled_contract`), for every row count. The fused reduction vectorizes badly there (0.5-2
+- XLA:CPU: a tile of output rows at a time (2 MB of float32 values) is dequantized (in cache)
+  and contracted by a dot (`tiled_contract`), for every row count. The fused reduction vectorizes badly there (0.5-2
   G elements/s on 2 cores) and a whole-matrix dequantize writes the float32 matrix to memory
   (1.3 GB for a 155K-row vocabulary head) before the GEMM reads it back.
 """
@@ -36,9 +36,9 @@ F32 = jnp.float32
 # On accelerators, row counts up to this contract in a fused loop against the integers (it
 # reads 4-8x fewer bytes than a dense weight); more rows dequantize once and run a GEMM.
 FUSED_ROWS = 16
-# Output rows per tile of `tiled_contract` (at most; a power of two dividing the rows): a
-# float32 tile of 256 x 2048 values is 2 MB, about a core's L2.
-TILE_ROWS = 256
+# Float32 values per tile of `tiled_contract` (at most): 2 MB, about a core's L2. A matrix
+# that small is one tile: a loop over tiles of a few hundred rows costs more than it saves.
+TILE_ELEMENTS = 1 << 19
 
 
 class QuantizedTensor(nnx.Module):
@@ -188,30 +188,39 @@ def contract(x: jax.Array, type_name: str, fields: dict[str, jax.Array]) -> jax.
   """`x [..., in]` against one quantized `[out, in]` matrix's fields: `[..., out]` in x's dtype,
   read the way this backend reads the integers fastest (see the module docstring)."""
   if jax.default_backend() == "cpu":
-    if _tile_rows(fields["d"].shape[0]):
+    if _tile_rows(fields["d"].shape[0], x.shape[-1]):
       return tiled_contract(x, type_name, fields)
   elif math.prod(x.shape[:-1]) <= FUSED_ROWS:
     return fused_contract(x, type_name, fields)
   return jnp.einsum("...i,oi->...o", x, dequantize_fields(type_name, fields).astype(x.dtype))
 
 
-def _tile_rows(out: int) -> int:
-  """Rows per tile for `out` output rows: the largest power of two up to TILE_ROWS dividing
-  `out`, or 0 when that is under 32 (tiles too small to pay for their loop)."""
-  tile = min(out & -out, TILE_ROWS)
+def _tile_rows(out: int, width: int) -> int:
+  """Rows per tile of an `[out, width]` matrix: all of them if it holds at most TILE_ELEMENTS
+  values, else the largest power of two dividing `out` whose tile does, or 0 when that is
+  under 32 rows (tiles too small to pay for their loop)."""
+  if out * width <= TILE_ELEMENTS:
+    return out
+  tile = min(out & -out, 1 << (TILE_ELEMENTS // width).bit_length() - 1)
   return tile if tile >= 32 else 0
 
 
-def tiled_contract(x: jax.Array, type_name: str, fields: dict[str, jax.Array]) -> jax.Array:
-  """`x [..., in]` against quantized `[out, in]` fields, `_tile_rows(out)` output rows at a
-  time: each tile's exact float32 values, then a float32 dot with every row of x. The tile
-  stays in cache between the two, so the weights cross memory once, as their integers."""
+def tiled_contract(x: jax.Array, type_name: str, fields: dict[str, jax.Array],
+                   tile: int | None = None) -> jax.Array:
+  """`x [..., in]` against quantized `[out, in]` fields, `tile` output rows at a time (default
+  `_tile_rows`): each tile's exact float32 values, then a float32 dot with every row of x. The
+  tile stays in cache between the two, so the weights cross memory once, as their integers."""
   out = fields["d"].shape[0]
-  tile = _tile_rows(out)
+  tile = tile or _tile_rows(out, x.shape[-1])
   rows = x.reshape(-1, x.shape[-1]).astype(F32)
-  tiles = {name: a.reshape((out // tile, tile) + a.shape[1:]) for name, a in fields.items()}
-  _, y = jax.lax.scan(lambda _, f: (None, rows @ dequantize_fields(type_name, f).T), None, tiles)
-  return y.transpose(1, 0, 2).reshape(x.shape[:-1] + (out,)).astype(x.dtype)
+  if tile == out:
+    y = rows @ dequantize_fields(type_name, fields).T
+  else:
+    tiles = {name: a.reshape((out // tile, tile) + a.shape[1:]) for name, a in fields.items()}
+    _, y = jax.lax.scan(lambda _, f: (None, rows @ dequantize_fields(type_name, f).T), None,
+                        tiles)
+    y = y.transpose(1, 0, 2)
+  return y.reshape(x.shape[:-1] + (out,)).astype(x.dtype)
 
 
 def _shifted(byte, shifts):
