@@ -4,6 +4,8 @@
   python -m tools.bench_context --modes=stall          # a long prompt's stall of a live stream
   python -m tools.bench_context --modes=steps          # step time against tokens held
   python -m tools.bench_context --modes=steps --held=128,1024 --context=32768   # #17's ratio
+  python -m tools.bench_context --modes=steps --source=/tmp/flash4.gguf --dtype=bfloat16 \
+      --context=32768 --held=128,1024,4096,16384,32000 --steps=5     # a real-shape model
   python -m tools.bench_context --modes=ttft           # TTFT cold vs a cached 1,900 tokens
 
 `start`: launches `python -m mtpjax.serve --config=configs/glm.py` twice on one fresh cache
@@ -30,7 +32,9 @@ import time
 import numpy as np
 from absl import app, flags
 
-from tools.bench_serve import READY
+# bench_serve's --source (absl flags are global): here the model of the steps, e.g. a
+# real-shape one from tools/make_synthetic.py; empty: the demo.
+from tools.bench_serve import _SOURCE, READY
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -44,6 +48,8 @@ _STEPS = flags.DEFINE_integer("steps", 20, "timed steps per point (steps)")
 _STEP_ROUNDS = flags.DEFINE_integer("step_rounds", 2, "rounds over every point (steps)")
 _CONTEXT = flags.DEFINE_integer("context", 0, "engine context length (steps); 0: the largest "
                                 "--held + 64. #17 compares 128 and 1,024 held at 32768")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                           "activation dtype of --source (steps)")
 _SHARED = flags.DEFINE_integer("shared", 1900, "tokens the second prompt shares (ttft)")
 _ROUNDS = flags.DEFINE_integer("ttft_rounds", 3, "cold / cached pairs (ttft)")
 
@@ -79,7 +85,7 @@ def measure_start() -> dict:
 def measure_stall() -> dict:
   """The live stream's longest gap between tokens while the long prompt is prefilled."""
   import mtpjax
-  from mtpjax import embedded
+  from mtpjax import embedded, loading
   from mtpjax.engine.contract import warm_up
   from mtpjax.engine.scheduler import Request, SlotScheduler
   model = mtpjax.load(embedded.DEMO_PACKAGE)
@@ -114,7 +120,7 @@ def measure_steps() -> dict:
   cost depends on the rows it reads, not on their values."""
   import jax
   import mtpjax
-  from mtpjax import embedded
+  from mtpjax import embedded, loading
   from mtpjax.engine.contract import EngineConfig
   from mtpjax.engine.engine import Engine
   from mtpjax.engine.sampling import SamplerParams
@@ -124,18 +130,20 @@ def measure_steps() -> dict:
   if context < max(held) + 64:
     raise app.UsageError(f"--context={context} cannot hold --held up to {max(held)} and the "
                          "timed steps; raise --context or drop the largest --held")
-  model = mtpjax.load(embedded.DEMO_PACKAGE)
+  model = (mtpjax.load(_SOURCE.value, dtype=_DTYPE.value) if _SOURCE.value
+           else mtpjax.load(embedded.DEMO_PACKAGE))
   engine_cfg = EngineConfig(slots=1, max_len=context, prefill_buckets=(16,))
   engines = {}
   for name, block in (("blockwise", blockwise.BLOCK), ("whole_cache", 2 * engine_cfg.cache_len)):
     blockwise.BLOCK = block      # read at trace time: each engine compiles with its own
     engines[name] = Engine(model.stage_weights(with_mtp=False),
                            model.stage_layouts(with_mtp=False), model.hops, model.config,
-                           engine_cfg)
+                           engine_cfg, dtype=loading.resolve_dtype(model.dtype))
     state = engines[name].init_state()
     engines[name].step(state, np.ones(1, bool))          # compile now
   active = np.ones(1, bool)
-  out = {"mode": "steps", "max_len": engine_cfg.max_len, "held": held}
+  out = {"mode": "steps", "source": _SOURCE.value or "demo", "max_len": engine_cfg.max_len,
+         "held": held}
   state = engines["blockwise"].init_state()
   pool_bytes = sum(a.nbytes for a in jax.tree.leaves(state.kv))
   out["kv_pool_bytes"] = pool_bytes
@@ -173,7 +181,7 @@ def measure_ttft() -> dict:
   """Time to first token of a --long_prompt prompt cold, and of one sharing its first
   --shared tokens with it (prefix cache), alternated over fresh random prompts."""
   import mtpjax
-  from mtpjax import embedded
+  from mtpjax import embedded, loading
   from mtpjax.engine.contract import warm_up
   from mtpjax.engine.scheduler import Request, SlotScheduler
   model = mtpjax.load(embedded.DEMO_PACKAGE)
