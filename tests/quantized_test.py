@@ -54,28 +54,20 @@ class ExactnessTest(parameterized.TestCase):
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=name)
     self.assertEqual(seen, {"Q8_0", "Q5_0", "Q5_1"})
 
-  @parameterized.parameters(*sorted(_SHAPES))
-  def test_fused_contraction_reads_the_exact_values(self, type_name):
-    # Unit rows pick single weights out of the fused reduction: x = e_i gives column i exactly.
+  @parameterized.product(type_name=sorted(_SHAPES), path=("fused", "tiled"))
+  def test_contraction_reads_the_exact_values(self, type_name, path):
+    # Unit rows pick single weights out of the contraction: x = e_i gives column i exactly.
+    # Accelerators' fused reduction over 3 rows; XLA:CPU's tiles, 96 rows in 3 tiles of 32.
     rng = np.random.default_rng(1 + sum(map(ord, type_name)))
-    shape = (3,) + _SHAPES[type_name][-1:]
+    shape = ((3,) if path == "fused" else (96,)) + _SHAPES[type_name][-1:]
     raw = random_valid_blocks(rng, type_name, shape)
     want = quants.dequantize(raw, GGMLQuantizationType[type_name]).reshape(shape)
     fields = {n: jnp.asarray(a) for n, a in quant_blocks.unpack(type_name, raw, shape).items()}
     eye = jnp.eye(shape[-1], dtype=jnp.float32)
-    got = jax.jit(quantized.fused_contract, static_argnums=1)(eye, type_name, fields)
-    np.testing.assert_array_equal(np.asarray(got).T, want)
-
-  @parameterized.parameters(*sorted(_SHAPES))
-  def test_tiled_contraction_reads_the_exact_values(self, type_name):
-    # XLA:CPU's path, 96 output rows in 3 tiles of 32; unit rows pick single weights out.
-    rng = np.random.default_rng(2 + sum(map(ord, type_name)))
-    shape = (96,) + _SHAPES[type_name][-1:]
-    raw = random_valid_blocks(rng, type_name, shape)
-    want = quants.dequantize(raw, GGMLQuantizationType[type_name]).reshape(shape)
-    fields = {n: jnp.asarray(a) for n, a in quant_blocks.unpack(type_name, raw, shape).items()}
-    eye = jnp.eye(shape[-1], dtype=jnp.float32)
-    got = jax.jit(quantized.tiled_contract, static_argnums=(1, 3))(eye, type_name, fields, 32)
+    if path == "fused":
+      got = jax.jit(quantized.fused_contract, static_argnums=1)(eye, type_name, fields)
+    else:
+      got = jax.jit(quantized.tiled_contract, static_argnums=(1, 3))(eye, type_name, fields, 32)
     np.testing.assert_array_equal(np.asarray(got).T, want)
 
   def test_tiles_divide_the_rows_or_are_not_used(self):
