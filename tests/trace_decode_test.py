@@ -1,8 +1,9 @@
-"""tools/trace_decode.py: per-step busy time of each trace line, summed by hand."""
+"""tools/perfetto.py (trace_decode's reading of a trace): per-step busy time of each trace line,
+summed by hand."""
 
 from absl.testing import absltest
 
-from tools.trace_decode import busy_per_line
+from tools.perfetto import busy_per_line
 
 
 class BusyPerLineTest(absltest.TestCase):

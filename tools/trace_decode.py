@@ -15,9 +15,7 @@ The traces are kept under --trace_dir when it is set (open them in ui.perfetto.d
 
 from __future__ import annotations
 
-import collections
 import glob
-import gzip
 import json
 import os
 import pathlib
@@ -31,6 +29,7 @@ import mtpjax
 from mtpjax.engine.contract import pow2_bucket, warm_up
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.engine.scheduler import Request, SlotScheduler
+from tools import perfetto
 
 _SOURCE = flags.DEFINE_string("source", None, "GGUF or layer package", required=True)
 _WEIGHT_MODES = flags.DEFINE_list("weight_modes", ["quantized", "dense"],
@@ -41,26 +40,6 @@ _TOP = flags.DEFINE_integer("top", 12, "largest events reported per trace line")
 _TRACE_DIR = flags.DEFINE_string("trace_dir", None, "keep the traces here (default: dropped)")
 
 
-def busy_per_line(events: list[dict], steps: int, top: int) -> dict[str, dict]:
-  """Per trace line ('process | thread'): the summed duration of its complete ('X') events per
-  step in microseconds, and its `top` largest event names by that sum, largest line first.
-  Nested events (a host function and its callees) are each counted, so a host line can exceed
-  the wall time; a device stream's kernels do not nest."""
-  process = {e["pid"]: e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-  thread = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
-            if e.get("ph") == "M" and e.get("name") == "thread_name"}
-  sums: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-  for e in events:
-    if e.get("ph") == "X":
-      line = f"{process.get(e['pid'], e['pid'])} | {thread.get((e['pid'], e.get('tid')), e.get('tid'))}"
-      sums[line][e["name"]] += e.get("dur", 0.0)
-  lines = {line: {"us_per_step": sum(c.values()) / steps,
-                  "top": [[name, total / steps] for name, total in c.most_common(top)]}
-           for line, c in sums.items()}
-  return dict(sorted(lines.items(), key=lambda item: -item[1]["us_per_step"]))
-
-
 def _trace(engine, request: Request, directory: str) -> tuple[float, list[dict]]:
   """(mean decode step ms, the trace's events) of one traced request."""
   jax.profiler.start_trace(directory, create_perfetto_trace=True)
@@ -69,9 +48,7 @@ def _trace(engine, request: Request, directory: str) -> tuple[float, list[dict]]
   finally:
     jax.profiler.stop_trace()
   (path,) = glob.glob(f"{directory}/plugins/profile/*/perfetto_trace.json.gz")
-  with gzip.open(path) as f:
-    trace = json.load(f)
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  events = perfetto.read_events(path)
   step_s = (result.total_time_s - result.time_to_first_token_s) / (result.stats.target_passes - 1)
   return 1e3 * step_s, events
 
@@ -94,7 +71,7 @@ def main(argv):
       SlotScheduler(engine).run([request])            # untimed: device caches, first runs
       step_ms, events = _trace(engine, request, str(root / mode))
       modes[mode] = {"traced_step_ms": step_ms,
-                     "lines": busy_per_line(events, steps, _TOP.value)}
+                     "lines": perfetto.busy_per_line(events, steps, _TOP.value)}
   device = jax.devices()[0]
   print(json.dumps({"source": _SOURCE.value, "dtype": _DTYPE.value, "steps": steps,
                     "device": f"{device.platform}:{device.device_kind}", "modes": modes}),
