@@ -85,7 +85,7 @@ def measure_start() -> dict:
 def measure_stall() -> dict:
   """The live stream's longest gap between tokens while the long prompt is prefilled."""
   import mtpjax
-  from mtpjax import embedded, loading
+  from mtpjax import embedded
   from mtpjax.engine.contract import warm_up
   from mtpjax.engine.scheduler import Request, SlotScheduler
   model = mtpjax.load(embedded.DEMO_PACKAGE)
@@ -181,7 +181,7 @@ def measure_ttft() -> dict:
   """Time to first token of a --long_prompt prompt cold, and of one sharing its first
   --shared tokens with it (prefix cache), alternated over fresh random prompts."""
   import mtpjax
-  from mtpjax import embedded, loading
+  from mtpjax import embedded
   from mtpjax.engine.contract import warm_up
   from mtpjax.engine.scheduler import Request, SlotScheduler
   model = mtpjax.load(embedded.DEMO_PACKAGE)

@@ -45,7 +45,8 @@ _DECODE_TOKENS = flags.DEFINE_integer("decode_tokens", 0, "restore the checkpoin
                                       "this many tokens beside the source (0: convert only)")
 _WORKDIR = flags.DEFINE_string("workdir", None, "keep the GGUF and checkpoint here "
                                "(default: a temporary folder, removed afterwards)")
-FLAGS = flags.FLAGS   # --dtype and --weights are mtpjax.convert's flags, shared rather than redefined
+# --dtype and --weights are mtpjax.convert's flags, shared rather than redefined.
+FLAGS = flags.FLAGS
 
 
 def _spec() -> TinyGlmSpec:

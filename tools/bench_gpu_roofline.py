@@ -98,9 +98,10 @@ def main(argv):
   per_mode = {}
   for mode, model in models.items():
     per_mode[mode] = {"load_s": load_s[mode]}
+    params = model.weights(with_mtp=False)[1]
     for slots in slot_counts:
       step_ms = float(np.median(steps[mode, slots]))
-      mb = weight_mb_per_step(model.weights(with_mtp=False)[1], model.config, slots)["plain"]
+      mb = weight_mb_per_step(params, model.config, slots)["plain"]
       achieved = mb / 1e3 / (step_ms / 1e3)            # GB/s
       figures = {
           "tokens_per_s": slots * 1e3 / step_ms, "step_ms": step_ms,

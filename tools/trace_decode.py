@@ -1,4 +1,4 @@
-"""Where a batch-1 decode step's time goes: device busy time against the step's wall time; one JSON line.
+"""Where a batch-1 decode step's time goes: device busy time against its wall time; one JSON line.
 
 Runs `--new_tokens` decode steps (MTP off) per `--weight_modes` mode under `jax.profiler`, reads
 the Perfetto trace JAX writes beside its own (`create_perfetto_trace`), and sums each trace
@@ -30,12 +30,12 @@ from mtpjax.engine.contract import pow2_bucket, warm_up
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.engine.scheduler import Request, SlotScheduler
 from tools import perfetto
+# bench_decode's --source, --dtype and --new_tokens (the tokens decoded under the trace) and
+# its step time (absl flags are global: read, not redefined, as bench_gpu_roofline does).
+from tools.bench_decode import _DTYPE, _NEW_TOKENS, _SOURCE, _step_ms
 
-_SOURCE = flags.DEFINE_string("source", None, "GGUF or layer package", required=True)
 _WEIGHT_MODES = flags.DEFINE_list("weight_modes", ["quantized", "dense"],
                                   "mtpjax.load(weights=...) modes, one trace each")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "activation dtype")
-_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 33, "tokens decoded under the trace")
 _TOP = flags.DEFINE_integer("top", 12, "largest events reported per trace line")
 _TRACE_DIR = flags.DEFINE_string("trace_dir", None, "keep the traces here (default: dropped)")
 
@@ -48,13 +48,13 @@ def _trace(engine, request: Request, directory: str) -> tuple[float, list[dict]]
   finally:
     jax.profiler.stop_trace()
   (path,) = glob.glob(f"{directory}/plugins/profile/*/perfetto_trace.json.gz")
-  events = perfetto.read_events(path)
-  step_s = (result.total_time_s - result.time_to_first_token_s) / (result.stats.target_passes - 1)
-  return 1e3 * step_s, events
+  return _step_ms([result]), perfetto.read_events(path)
 
 
 def main(argv):
   del argv
+  if not _SOURCE.value:
+    raise app.UsageError("--source is required: the GGUF or layer package to trace")
   os.environ["MTPJAX_NATIVE_MTP"] = "0"   # MTP off: the NextN block is not loaded
   steps = _NEW_TOKENS.value - 1
   modes = {}

@@ -17,9 +17,10 @@ Contraction (`matmul`, `contract`), by backend:
   computed from the integers inside one XLA loop, so no dense weight is materialized; more rows
   (prefill) dequantize the matrix once and use the backend's GEMM;
 - XLA:CPU: a tile of output rows at a time (2 MB of float32 values) is dequantized (in cache)
-  and contracted by a dot (`tiled_contract`), for every row count. The fused reduction vectorizes badly there (0.5-2
-  G elements/s on 2 cores) and a whole-matrix dequantize writes the float32 matrix to memory
-  (1.3 GB for a 155K-row vocabulary head) before the GEMM reads it back.
+  and contracted by a dot (`tiled_contract`), for every row count. The fused reduction
+  vectorizes badly there (0.5-2 G elements/s on 2 cores) and a whole-matrix dequantize writes
+  the float32 matrix to memory (1.3 GB for a 155K-row vocabulary head) before the GEMM reads
+  it back.
 """
 
 from __future__ import annotations
@@ -188,8 +189,9 @@ def contract(x: jax.Array, type_name: str, fields: dict[str, jax.Array]) -> jax.
   """`x [..., in]` against one quantized `[out, in]` matrix's fields: `[..., out]` in x's dtype,
   read the way this backend reads the integers fastest (see the module docstring)."""
   if jax.default_backend() == "cpu":
-    if _tile_rows(fields["d"].shape[0], x.shape[-1]):
-      return tiled_contract(x, type_name, fields)
+    tile = _tile_rows(fields["d"].shape[0], x.shape[-1])
+    if tile:
+      return tiled_contract(x, type_name, fields, tile)
   elif math.prod(x.shape[:-1]) <= FUSED_ROWS:
     return fused_contract(x, type_name, fields)
   return jnp.einsum("...i,oi->...o", x, dequantize_fields(type_name, fields).astype(x.dtype))
@@ -206,12 +208,12 @@ def _tile_rows(out: int, width: int) -> int:
 
 
 def tiled_contract(x: jax.Array, type_name: str, fields: dict[str, jax.Array],
-                   tile: int | None = None) -> jax.Array:
-  """`x [..., in]` against quantized `[out, in]` fields, `tile` output rows at a time (default
-  `_tile_rows`): each tile's exact float32 values, then a float32 dot with every row of x. The
-  tile stays in cache between the two, so the weights cross memory once, as their integers."""
+                   tile: int) -> jax.Array:
+  """`x [..., in]` against quantized `[out, in]` fields, `tile` output rows at a time (a
+  divisor of out; `contract` takes `_tile_rows`): each tile's exact float32 values, then a
+  float32 dot with every row of x. The tile stays in cache between the two, so the weights
+  cross memory once, as their integers."""
   out = fields["d"].shape[0]
-  tile = tile or _tile_rows(out, x.shape[-1])
   rows = x.reshape(-1, x.shape[-1]).astype(F32)
   if tile == out:
     y = rows @ dequantize_fields(type_name, fields).T
