@@ -1,5 +1,6 @@
 """Shared test setup: simulated CPU devices and fast compiles (`xla_flags.py`) must be
-configured before jax is imported, and each module's compiled programs are released after it."""
+configured before jax is imported, compiles go to the run's shared cache, and each module's
+compiled programs are released after it."""
 
 import gc
 import inspect
@@ -10,6 +11,7 @@ import xla_flags
 
 os.environ.setdefault("XLA_FLAGS", xla_flags.for_tests())
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+xla_flags.share_compiled_programs(os.environ)
 
 import jax  # noqa: E402  (after the flags above)
 import pytest  # noqa: E402

@@ -57,6 +57,7 @@ class ServerProcess:
     compiles."""
     self.log_path = log_path
     self._log = open(log_path, "wb")
+    xla_flags.share_with_server(cache_dir)
     model_flags = ([f"--config.model.source={embedded_tiny.TINY_SOURCE}",
                     f"--config.server.model_name={MODEL}"] if tiny else [])
     self.process = subprocess.Popen(

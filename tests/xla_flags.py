@@ -1,13 +1,26 @@
-"""The XLA flags of the test processes (this one, and the servers and workers they launch).
+"""The XLA flags and compile cache of the test processes (this one, and the servers and workers
+they launch).
 
 Tests run tiny models a few steps each, so their time is compiling, not running: XLA:CPU's
 LLVM backend at optimization level 0, without its expensive passes, compiles the suite's
 programs ~40% faster. XLA's own graph passes still run, so a program computes the same
 operations; the README's serve command is still tested as users run it (`production_env`,
 server_demo_test).
+
+Test files build the same tiny models, engines and servers again and again, so the run shares
+one persistent compilation cache (`share_compiled_programs`): a program compiled once is loaded,
+not compiled, by every later file, worker and test server. A cache entry is keyed by the
+program, the XLA flags and the backend, so nothing runs a program other than its own; an entry
+read while another process writes it fails to load and is compiled again.
 """
 
 from __future__ import annotations
+
+import atexit
+import os
+import pathlib
+import shutil
+import tempfile
 
 FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 
@@ -21,3 +34,28 @@ def production_env(env: dict[str, str]) -> dict[str, str]:
   """`env` with XLA's default optimization (the fast-compile flags removed)."""
   flags = [f for f in env.get("XLA_FLAGS", "").split() if f not in FAST_COMPILE]
   return {**env, "XLA_FLAGS": " ".join(flags)}
+
+
+_CACHE_DIR_ENV = "JAX_COMPILATION_CACHE_DIR"
+
+
+def share_compiled_programs(env: dict[str, str]) -> None:
+  """Send every compile of this process and the processes it starts (xdist workers, notebook
+  kernels, trainers, distributed workers) to the run's compilation cache, however short the
+  compile: JAX reads these variables when it is imported. The first process (pytest's) makes
+  the folder and removes it at exit; the processes it starts inherit its path."""
+  if _CACHE_DIR_ENV not in env:
+    env[_CACHE_DIR_ENV] = tempfile.mkdtemp(prefix="mtpjax-test-compiles-")
+    atexit.register(shutil.rmtree, env[_CACHE_DIR_ENV], ignore_errors=True)
+  env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+def share_with_server(cache_dir: str) -> None:
+  """Make a test server started with `--config.cache_dir=cache_dir` compile into the run's
+  cache too: the server sets its own folder (`mtpjax.warm_start`), which becomes a link to it."""
+  folder = os.environ.get(_CACHE_DIR_ENV)
+  link = pathlib.Path(cache_dir) / "mtpjax" / "jax-compilation"
+  if folder and not link.exists():
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(folder, target_is_directory=True)
