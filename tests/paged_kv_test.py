@@ -102,7 +102,8 @@ class PagedAttentionTest(absltest.TestCase):
     q = rng.normal(size=(b, t, h, hd)).astype(np.float32)
     k = rng.normal(size=(b, t, hkv, hd)).astype(np.float32)
     v = rng.normal(size=(b, t, hkv, vd)).astype(np.float32)
-    positions = np.array([[700, 701, 702], [600, 601, 602]], np.int32)
+    # Queries in the second block (slot 1 before its pages never allocated).
+    positions = (blockwise.BLOCK + np.array([[188], [88]]) + np.arange(3)).astype(np.int32)
     attend = jax.jit(kv_cache.attention)
     want, _ = attend((k_cache, v_cache), q, k, v, kv_cache.AttentionMetadata(positions))
     got, _ = attend((k_pool, v_pool), q, k, v, kv_cache.AttentionMetadata(positions, table))
