@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import xla_flags
 
-from mtpjax import embedded, runtime_options
+from mtpjax import embedded, runtime_options, warm_start
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.engine.scheduler import Request, SlotScheduler
 from mtpjax.testing import embedded_tiny
@@ -57,7 +57,7 @@ class ServerProcess:
     compiles."""
     self.log_path = log_path
     self._log = open(log_path, "wb")
-    xla_flags.share_with_server(cache_dir)
+    xla_flags.share_with_server(warm_start.compilation_cache_dir(cache_dir))
     model_flags = ([f"--config.model.source={embedded_tiny.TINY_SOURCE}",
                     f"--config.server.model_name={MODEL}"] if tiny else [])
     self.process = subprocess.Popen(

@@ -51,11 +51,10 @@ def share_compiled_programs(env: dict[str, str]) -> None:
   env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
-def share_with_server(cache_dir: str) -> None:
-  """Make a test server started with `--config.cache_dir=cache_dir` compile into the run's
-  cache too: the server sets its own folder (`mtpjax.warm_start`), which becomes a link to it."""
+def share_with_server(server_folder: pathlib.Path) -> None:
+  """Make a test server compile into the run's cache too: the folder it sets for itself
+  (`mtpjax.warm_start.compilation_cache_dir`) becomes a link to the run's."""
   folder = os.environ.get(_CACHE_DIR_ENV)
-  link = pathlib.Path(cache_dir) / "mtpjax" / "jax-compilation"
-  if folder and not link.exists():
-    link.parent.mkdir(parents=True, exist_ok=True)
-    link.symlink_to(folder, target_is_directory=True)
+  if folder and not server_folder.exists():
+    server_folder.parent.mkdir(parents=True, exist_ok=True)
+    server_folder.symlink_to(folder, target_is_directory=True)
