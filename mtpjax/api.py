@@ -249,16 +249,18 @@ class Model:
              prefill_buckets: Sequence[int] | None = None, timing: bool = False,
              logprobs: int = 0, prefix_cache: int = 0, draft_tokens: int = 1,
              host_drafts: bool = False, kv_page: int = EngineConfig.kv_page,
-             kv_pages: int = 0) -> Engine:
+             kv_pages: int = 0, kv_cache_dtype: str = EngineConfig.kv_cache_dtype) -> Engine:
     """A compiled engine, cached by its settings so repeated calls reuse the compiled steps.
     `prefix_cache`: prompt prefixes kept for reuse (0: none); `draft_tokens`: the deepest
     draft window its steps verify (native MTP, or `host_drafts`: an n-gram proposer's, alone
     or extending the MTP chain); `kv_page` rows per KV page and `kv_pages` pages per pool
-    (0: every slot at full context)."""
+    (0: every slot at full context); `kv_cache_dtype` the KV cache's values (auto: the
+    activation dtype)."""
     drafts = native_mtp or host_drafts
     settings = dict(slots=slots, native_mtp=native_mtp, timing=timing, logprobs=logprobs,
                     prefix_cache=prefix_cache, draft_tokens=draft_tokens if drafts else 1,
-                    host_drafts=host_drafts, kv_page=kv_page, kv_pages=kv_pages)
+                    host_drafts=host_drafts, kv_page=kv_page, kv_pages=kv_pages,
+                    kv_cache_dtype=kv_cache_dtype)
     engine_cfg = (EngineConfig(max_len=max_len, prefill_buckets=tuple(prefill_buckets),
                                **settings)
                   if prefill_buckets else

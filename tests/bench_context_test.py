@@ -35,10 +35,14 @@ class BenchContextTest(absltest.TestCase):
     # The demo model: 4 layers x 2 KV heads x (64 + 64) float32 values a row, 16 rows a page.
     page_bytes = 4 * 2 * (64 + 64) * 4 * 16
     result = bench_context("--modes=steps", "--held=128,1024", "--steps=2", "--step_rounds=1",
-                           "--context=2048")
+                           "--context=2048", "--kv_cache_dtype=auto,bfloat16")
     self.assertEqual(result["max_len"], 2048)
     # After 2 steps from position p the slot holds rows 0..p + 1: ceil((p + 2) / 16) pages.
     self.assertEqual(result["kv_bytes_held"], [9 * page_bytes, 65 * page_bytes])
+    # The same pages of bfloat16 K/V: half the bytes.
+    self.assertEqual(result["blockwise_kv_bfloat16_kv_bytes_held"],
+                     [9 * page_bytes // 2, 65 * page_bytes // 2])
+    self.assertLen(result["blockwise_kv_bfloat16_step_ms"], 2)
     self.assertLen(result["blockwise_step_ms"], 2)
     self.assertLen(result["whole_cache_step_ms"], 2)
     ms = result["blockwise_step_ms"]

@@ -7,6 +7,7 @@ import dataclasses
 import tempfile
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
@@ -125,6 +126,43 @@ class PagedAttentionTest(absltest.TestCase):
                      selected)
     got, _ = latent(row_pool, row, q_lat, q_pe, kv_cache.AttentionMetadata(positions, table),
                     0.5, selected)
+
+  def test_bfloat16_pools_hold_bits_and_attend_like_float32_of_the_same_values(self):
+    rng = np.random.default_rng(1)
+    b, t, h, hkv, hd, rows, pool_size = 1, 2, 4, 2, 8, 16, 40
+    length = blockwise.BLOCK + 64
+    table = rng.permutation(pool_size)[:length // rows][None].astype(np.int32)
+    bf16 = lambda shape: rng.normal(size=shape).astype(jnp.bfloat16)
+    k_pool, v_pool = bf16((pool_size, hkv, rows, hd)), bf16((pool_size, hkv, hd, rows))
+    q = rng.normal(size=(b, t, h, hd)).astype(np.float32)
+    # A float32 model's rows (bfloat16 values here, so the written bits are known) and a
+    # bfloat16 model's.
+    k, v = bf16((b, t, hkv, hd)).astype(np.float32), bf16((b, t, hkv, hd))
+    positions = np.array([[blockwise.BLOCK + 30, blockwise.BLOCK + 31]], np.int32)
+    meta = kv_cache.AttentionMetadata(positions, table)
+    self.assertEqual(kv_cache.storage_dtype(jnp.bfloat16), np.uint16)
+    self.assertEqual(kv_cache.storage_dtype(jnp.float32), np.float32)
+    bits = lambda a: np.asarray(a).view(np.uint16)
+    attend = jax.jit(kv_cache.attention)
+    got, (k_bits, v_bits) = attend((bits(k_pool), bits(v_pool)), q, k, v, meta)
+    want, _ = attend((k_pool.astype(np.float32), v_pool.astype(np.float32)), q,
+                     k.astype(np.float32), v.astype(np.float32), meta)
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
+    page, row = table[0, positions[0, 1] // rows], positions[0, 1] % rows
+    np.testing.assert_array_equal(np.asarray(k_bits)[page, :, row],
+                                  bits(k[0, 1].astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(np.asarray(v_bits)[page, :, :, row], bits(v[0, 1]))
+    # A row written to and read from a history pool comes back as the same bfloat16 values.
+    hidden = bf16((b, t, 6))
+    pool = kv_cache.scatter_rows(jnp.zeros((pool_size, rows, 6), np.uint16), hidden, meta)
+    back = kv_cache.gather_rows(pool, meta)
+    self.assertEqual(back.dtype, jnp.bfloat16)
+    np.testing.assert_array_equal(bits(back), bits(hidden))
+    # The write updates the pool in place: no float32 copy of the whole pool in the program.
+    compiled = jax.jit(kv_cache.attention).lower(
+        (bits(k_pool), bits(v_pool)), q, k, v, meta).compile().as_text()
+    self.assertNotIn(f"f32[{pool_size},{hkv},{rows},{hd}]", compiled)
+    self.assertNotIn(f"bf16[{pool_size},{hkv},{rows},{hd}]", compiled)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
@@ -147,6 +185,7 @@ class PagedEngineTest(parameterized.TestCase):
     with tempfile.TemporaryDirectory() as tmp:
       for kind in ("glm4moe", "deepseek2", "glm-dsa"):
         cls.models[kind] = mtpjax.load(_write_model(kind, tmp))
+      cls.models["glm4moe-bf16"] = mtpjax.load(_write_model("glm4moe", tmp), dtype="bfloat16")
 
   def engine(self, kind: str, *, native_mtp: bool = True, **settings):
     settings = dict(dict(slots=4, max_len=MAX_LEN, prefill_buckets=BUCKETS, kv_pages=POOL,
@@ -184,6 +223,32 @@ class PagedEngineTest(parameterized.TestCase):
                                                 adaptive=None).run(requests)]
                for mtp in (True, False)]
     self.assertEqual(outputs[0], outputs[1])
+
+  def test_bfloat16_pools_hold_bits_and_mtp_on_equals_off(self):
+    requests = _requests(self.models["glm4moe"].config.vocab_size, 4, seed=2)
+    outputs = []
+    for mtp in (True, False):
+      scheduler = SlotScheduler(self.engine("glm4moe-bf16", native_mtp=mtp), adaptive=None)
+      outputs.append([r.tokens for r in scheduler.run(requests)])
+    pools = jax.tree.leaves(scheduler.state.kv)
+    self.assertEqual({a.dtype for a in pools}, {np.dtype(np.uint16)})
+    mtp_pools = self.engine("glm4moe-bf16").init_state().mtp
+    self.assertEqual({a.dtype for a in jax.tree.leaves(mtp_pools.kv) + [mtp_pools.hidden]},
+                     {np.dtype(np.uint16)})
+    self.assertEqual(outputs[0], outputs[1])
+
+  def test_a_bfloat16_kv_cache_halves_a_float32_models_pools(self):
+    states = [self.engine("glm4moe", kv_cache_dtype=kv).init_state()
+              for kv in ("auto", "bfloat16")]
+    for state, stored in zip(states, (np.float32, np.uint16)):
+      self.assertEqual({a.dtype for a in jax.tree.leaves([state.kv, state.mtp.kv])},
+                       {np.dtype(stored)})
+      self.assertEqual(state.mtp.hidden.dtype, np.float32)   # the history stays the model's
+    nbytes = [sum(a.nbytes for a in jax.tree.leaves([s.kv, s.mtp.kv])) for s in states]
+    self.assertEqual(nbytes[1] * 2, nbytes[0])
+    with self.assertRaises(errors.MtpjaxError) as caught:
+      self.engine("glm4moe", kv_cache_dtype="float16")
+    self.assertEqual(caught.exception.field, "engine.kv_cache_dtype")
 
   def test_a_reused_prefix_shares_its_pages(self):
     model = self.models["glm4moe"]

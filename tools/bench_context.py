@@ -4,6 +4,8 @@
   python -m tools.bench_context --modes=stall          # a long prompt's stall of a live stream
   python -m tools.bench_context --modes=steps          # step time against tokens held
   python -m tools.bench_context --modes=steps --held=128,1024 --context=32768   # #17's ratio
+  python -m tools.bench_context --modes=steps --held=128,1024 --context=32768 \
+      --kv_cache_dtype=auto,bfloat16          # and with a bfloat16 KV cache, side by side
   python -m tools.bench_context --modes=steps --source=/tmp/flash4.gguf --dtype=bfloat16 \
       --context=32768 --held=128,1024,4096,16384,32000 --steps=5     # a real-shape model
   python -m tools.bench_context --modes=ttft           # TTFT cold vs a cached 1,900 tokens
@@ -22,6 +24,7 @@ and with its whole prefill run at once.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -50,6 +53,12 @@ _CONTEXT = flags.DEFINE_integer("context", 0, "engine context length (steps); 0:
                                 "--held + 64. #17 compares 128 and 1,024 held at 32768")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                            "activation dtype of --source (steps)")
+_KV_DTYPES = flags.DEFINE_list(
+    "kv_cache_dtype", ["auto"], "KV cache dtypes (steps): the first for both reads, each "
+    "further one a blockwise engine of its own, e.g. auto,bfloat16 on the float32 demo")
+_KV_PAGES = flags.DEFINE_list(
+    "kv_page", ["16"], "rows per KV page (steps): the first for both reads, each further one "
+    "a blockwise engine of its own, e.g. 16,64")
 _SHARED = flags.DEFINE_integer("shared", 1900, "tokens the second prompt shares (ttft)")
 _ROUNDS = flags.DEFINE_integer("ttft_rounds", 3, "cold / cached pairs (ttft)")
 
@@ -132,23 +141,41 @@ def measure_steps() -> dict:
                          "timed steps; raise --context or drop the largest --held")
   model = (mtpjax.load(_SOURCE.value, dtype=_DTYPE.value) if _SOURCE.value
            else mtpjax.load(embedded.DEMO_PACKAGE))
-  engine_cfg = EngineConfig(slots=1, max_len=context, prefill_buckets=(16,))
-  engines = {}
-  for name, block in (("blockwise", blockwise.BLOCK), ("whole_cache", 2 * engine_cfg.cache_len)):
-    blockwise.BLOCK = block      # read at trace time: each engine compiles with its own
+  pages = [int(rows) for rows in _KV_PAGES.value]
+  engine_cfg = EngineConfig(slots=1, max_len=context, prefill_buckets=(max(pages),),
+                            kv_cache_dtype=_KV_DTYPES.value[0], kv_page=pages[0])
+  variants = [("blockwise", blockwise.BLOCK, engine_cfg),
+              ("whole_cache", 2 * engine_cfg.cache_len, engine_cfg)]
+  variants += [(f"blockwise_kv_{kv_dtype}", blockwise.BLOCK,
+                dataclasses.replace(engine_cfg, kv_cache_dtype=kv_dtype))
+               for kv_dtype in _KV_DTYPES.value[1:]]
+  variants += [(f"blockwise_page_{rows}", blockwise.BLOCK,
+                dataclasses.replace(engine_cfg, kv_page=rows)) for rows in pages[1:]]
+  block = blockwise.BLOCK
+  engines, configs = {}, {}
+  for name, rows, cfg in variants:
+    blockwise.BLOCK = rows       # read at trace time: each engine compiles with its own
+    configs[name] = cfg
     engines[name] = Engine(model.stage_weights(with_mtp=False),
                            model.stage_layouts(with_mtp=False), model.hops, model.config,
-                           engine_cfg, dtype=loading.resolve_dtype(model.dtype))
-    state = engines[name].init_state()
-    engines[name].step(state, np.ones(1, bool))          # compile now
+                           cfg, dtype=loading.resolve_dtype(model.dtype))
+    engines[name].step(engines[name].init_state(), np.ones(1, bool))     # compile now
+  blockwise.BLOCK = block
   active = np.ones(1, bool)
   out = {"mode": "steps", "source": _SOURCE.value or "demo", "max_len": engine_cfg.max_len,
-         "held": held}
-  state = engines["blockwise"].init_state()
-  pool_bytes = sum(a.nbytes for a in jax.tree.leaves(state.kv))
-  out["kv_pool_bytes"] = pool_bytes
-  page_bytes = pool_bytes / engine_cfg.pool_pages
-  out["kv_bytes_held"] = [0] * len(held)   # the pages the slot holds at each point, in bytes
+         "held": held, "kv_cache_dtype": _KV_DTYPES.value, "kv_page": pages}
+  # Bytes of a page over every layer's pool, per engine; the blockwise engine's are reported
+  # as kv_pool_bytes and kv_bytes_held, another KV dtype's or page size's under its own name.
+  page_bytes = {}
+  for name, engine in engines.items():
+    pool_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.init_state().kv))
+    page_bytes[name] = pool_bytes / configs[name].pool_pages
+    if name == "blockwise":
+      out["kv_pool_bytes"] = pool_bytes
+  held_keys = {name: "kv_bytes_held" if name == "blockwise" else f"{name}_kv_bytes_held"
+               for name in engines if name != "whole_cache"}
+  for key in held_keys.values():
+    out[key] = [0] * len(held)   # the pages the slot holds at each point, in bytes
   medians = {name: [[] for _ in held] for name in engines}
   # Rounds over every point and engine in turn: a noisy machine slows every point alike.
   for _ in range(_STEP_ROUNDS.value):
@@ -168,12 +195,14 @@ def measure_steps() -> dict:
           times.append(time.perf_counter() - started)
         medians[name][point].append(float(np.median(times)) * 1e3)
         # The slot's pages follow the rows it holds, whichever way attention read them.
-        out["kv_bytes_held"][point] = int(len(state.pages.slots[0].pages) * page_bytes)
+        if name in held_keys:
+          out[held_keys[name]][point] = int(len(state.pages.slots[0].pages) * page_bytes[name])
   for name, points in medians.items():
     out[f"{name}_step_ms"] = [round(min(values), 3) for values in points]
   # #17's figure: a step at each point over a step at the first (128 held at a 32K context).
-  out["blockwise_step_vs_first"] = [round(ms / out["blockwise_step_ms"][0], 3)
-                                    for ms in out["blockwise_step_ms"]]
+  for name in held_keys:
+    out[f"{name}_step_vs_first"] = [round(ms / out[f"{name}_step_ms"][0], 3)
+                                    for ms in out[f"{name}_step_ms"]]
   return out
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 from typing import Any, Callable, Protocol
 
+import jax.numpy as jnp
 import numpy as np
 
 from mtpjax import errors
@@ -27,6 +28,7 @@ from mtpjax.models.config import ModelConfig
 TOKEN_A, TOKEN_B, COUNT, ACCEPTED = range(4)
 # Prompt buckets of an engine built without explicit ones (those that fit its cache are kept).
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")   # `EngineConfig.kv_cache_dtype`
 
 
 def pow2_bucket(n: int, minimum: int = 16) -> int:
@@ -63,6 +65,7 @@ class EngineConfig:
   host_drafts: bool = False                # the host proposes drafts (n-gram, alone or after MTP)
   kv_page: int = 16                        # trunk cache rows per page (a power of two)
   kv_pages: int = 0                        # pages per layer's pool (0: every slot at max_len)
+  kv_cache_dtype: str = "auto"             # attention caches' values (auto: the activations')
 
   @classmethod
   def with_default_buckets(cls, *, max_len: int, **kwargs) -> "EngineConfig":
@@ -165,7 +168,19 @@ class EngineConfig:
     return self.bucket_for(max((b for b in self.prefill_buckets if b <= self.cache_len),
                                default=self.prefill_buckets[0]))
 
+  def kv_dtype(self, activation_dtype) -> jnp.dtype:
+    """The dtype of the attention caches' values: `kv_cache_dtype`, or with "auto" the
+    activations' (bfloat16 halves a float32 model's KV bytes, as llama.cpp's f16 cache)."""
+    if self.kv_cache_dtype == "auto":
+      return jnp.dtype(activation_dtype)
+    return jnp.dtype(self.kv_cache_dtype)
+
   def check_model(self, cfg: ModelConfig) -> None:
+    if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+      raise errors.MtpjaxError(
+          f"engine.kv_cache_dtype {self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}",
+          field="engine.kv_cache_dtype",
+          remedy="choose auto (the activation dtype), bfloat16 or float32")
     if not kv_cache.tiles_blocks(self.kv_page):
       raise errors.MtpjaxError(
           f"engine.kv_page must be a power of two up to {kv_cache.blockwise.BLOCK}, got "

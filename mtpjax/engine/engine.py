@@ -38,7 +38,7 @@ from mtpjax.engine.prefix_cache import PrefixCache
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.engine.state import (EngineState, Group, HeadState, Prefix, PrefillJob,
                                  sampler_arrays)
-from mtpjax.models import registry
+from mtpjax.models import kv_cache, registry
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.interface import StageLayout, stage_forward
 
@@ -67,6 +67,7 @@ class Engine:
     self.cfg = cfg
     self.engine_cfg = engine_cfg
     self.dtype = dtype
+    self.kv_dtype = engine_cfg.kv_dtype(dtype)
     self.last = len(self.layouts) - 1
     self.bounds = group_bounds(engine_cfg.slots, len(self.layouts))
     self._buckets = {hi - lo: slot_buckets(hi - lo) for lo, hi in self.bounds}
@@ -130,7 +131,8 @@ class Engine:
     if not self.hops.local(s):
       return None
     layout, ec = self.layouts[s], self.engine_cfg
-    zeros = functools.partial(jnp.zeros, dtype=self.dtype, device=self.hops.shardings[s])
+    zeros = functools.partial(jnp.zeros, dtype=kv_cache.storage_dtype(self.kv_dtype),
+                              device=self.hops.shardings[s])
     return [(zeros(k), zeros(v)) for k, v in registry.cache_shapes(
         self.cfg, layout.layer_end - layout.layer_start, ec.pool_pages, ec.kv_page)]
 
@@ -147,7 +149,8 @@ class Engine:
     pages = PagePool(ec.pool_pages, ec.kv_page, ec.max_pages, ec.slots)
     prefixes = PrefixCache(ec.page, ec.prefix_cache, pages) if ec.prefix_cache else None
     lag = [np.zeros(hi - lo, np.int32) for lo, hi in self.bounds] if ec.native_mtp else None
-    mtp = steps.empty_mtp_pages(self.cfg, ec, self.dtype, self._last_zeros) if here else None
+    mtp = (steps.empty_mtp_pages(self.cfg, ec, self.dtype, self.kv_dtype, self._last_zeros)
+           if here else None)
     detached = np.zeros(ec.slots, bool) if ec.native_mtp else None
     return EngineState(groups, [self._zero_pools(s) for s in range(len(self.layouts))], pages,
                        prefixes, np.zeros(ec.slots, np.int64), lag, mtp, detached)

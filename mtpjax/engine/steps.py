@@ -38,7 +38,8 @@ from mtpjax.engine.state import CATCH_UP_ROWS, HeadState, MtpPages, Slots
 from mtpjax.models import registry
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.interface import CausalLM, previous_hidden, stage_forward
-from mtpjax.models.kv_cache import AttentionMetadata, gather_rows, scatter_rows
+from mtpjax.models.kv_cache import (AttentionMetadata, gather_rows, scatter_rows,
+                                    storage_dtype)
 
 
 def empty_head(cfg: ModelConfig, engine_cfg: EngineConfig, batch: int, dtype) -> HeadState:
@@ -46,17 +47,19 @@ def empty_head(cfg: ModelConfig, engine_cfg: EngineConfig, batch: int, dtype) ->
   return HeadState(slots=Slots.empty(batch, cfg.hidden, dtype, engine_cfg.draft_tokens))
 
 
-def empty_mtp_pages(cfg: ModelConfig, engine_cfg: EngineConfig, dtype, zeros
+def empty_mtp_pages(cfg: ModelConfig, engine_cfg: EngineConfig, dtype, kv_dtype, zeros
                     ) -> MtpPages | None:
-  """The NextN block's empty pools, the trunk's pages of rows (None without native MTP);
-  `zeros(shape, dtype)` allocates them."""
+  """The NextN block's empty pools, the trunk's pages of rows (None without native MTP): its
+  KV cache of `kv_dtype` values and the history of `dtype` hidden rows; `zeros(shape, dtype)`
+  allocates them."""
   if not engine_cfg.native_mtp:
     return None
   pages, rows = engine_cfg.pool_pages, engine_cfg.kv_page
   (k, v), = registry.cache_shapes(cfg, 1, pages, rows)
-  return MtpPages(kv=(zeros(k, dtype), zeros(v, dtype)),
+  kv_stored = storage_dtype(kv_dtype)
+  return MtpPages(kv=(zeros(k, kv_stored), zeros(v, kv_stored)),
                   tokens=zeros((pages, rows), np.int32),
-                  hidden=zeros((pages, rows, cfg.hidden), dtype))
+                  hidden=zeros((pages, rows, cfg.hidden), storage_dtype(dtype)))
 
 
 def mtp_rows_ahead(depth: int) -> int:

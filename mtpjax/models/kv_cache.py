@@ -17,6 +17,12 @@ The shapes are `gqa_cache_shapes` / `row_cache_shape` for both, pages in place o
 in place of the length. Rows past a slot's position are stale and masked, which is the whole
 rollback mechanism of speculative decoding: a rejected draft's rows are rewritten before
 anything reads them.
+
+On XLA:CPU a bfloat16 cache is stored as its uint16 bits (`storage_dtype`; every write and
+read here converts): XLA:CPU has no bfloat16 scatter or dynamic-update-slice, and writing one
+row into a bfloat16 pool converts the whole pool to float32 and back (1.0 ms a step for a 4 MB
+pool, 0.012 ms for its bits), so a step would cost the pool's size, not the rows held.
+Accelerators write bfloat16 natively and keep it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,26 @@ class AttentionMetadata(NamedTuple):
   positions [b, T], and the slots' page tables [b, max_pages] (None: per-slot caches)."""
   positions: jax.Array
   page_table: jax.Array | None = None
+
+
+def storage_dtype(dtype) -> jnp.dtype:
+  """The dtype a cache of `dtype` values is stored in: uint16 bits for bfloat16 on XLA:CPU."""
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+    return jnp.dtype(jnp.uint16)
+  return dtype
+
+
+def _stored(rows: jax.Array, cache_dtype) -> jax.Array:
+  """`rows` as a cache of `cache_dtype` (a `storage_dtype`) stores them."""
+  if cache_dtype == jnp.uint16:
+    return jax.lax.bitcast_convert_type(rows.astype(jnp.bfloat16), jnp.uint16)
+  return rows.astype(cache_dtype)
+
+
+def _values(rows: jax.Array) -> jax.Array:
+  """Rows read from a cache as the values they hold (bfloat16 from stored bits)."""
+  return jax.lax.bitcast_convert_type(rows, jnp.bfloat16) if rows.dtype == jnp.uint16 else rows
 
 
 def gqa_cache_shapes(batch: int, kv_heads: int, head_dim: int, value_dim: int,
@@ -58,7 +84,7 @@ def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array,
                seq_axis: int = 1) -> jax.Array:
   """Write `rows` into a per-slot `cache` at per-slot row `start` [B] along `seq_axis` (a full
   forward's caches: one slot per sequence, every row inside the cache)."""
-  put = lambda c, r, s: jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), s,
+  put = lambda c, r, s: jax.lax.dynamic_update_slice_in_dim(c, _stored(r, c.dtype), s,
                                                             axis=seq_axis - 1)
   return jax.vmap(put)(cache, rows, start)
 
@@ -85,12 +111,12 @@ def _row_reader(cache: jax.Array, rows: jax.Array, meta: AttentionMetadata):
   if meta.page_table is None:
     cache = write_rows(cache, rows, meta.positions[:, 0])
     seq = cache[:, :, 0]
-    return (lambda first, n: window_rows(seq, first, n, 1).astype(jnp.float32),
+    return (lambda first, n: _values(window_rows(seq, first, n, 1)).astype(jnp.float32),
             seq.shape[1], cache)
   page_rows = cache.shape[1]
   cache = scatter_rows(cache, rows, meta)
-  read = lambda first, n: _gather_pages(cache, meta.page_table, first, n, page_rows).reshape(
-      b, n, cache.shape[-1]).astype(jnp.float32)
+  read = lambda first, n: _values(_gather_pages(cache, meta.page_table, first, n, page_rows)
+                                 ).reshape(b, n, cache.shape[-1]).astype(jnp.float32)
   return read, sequence_length(cache, meta), cache
 
 
@@ -98,14 +124,14 @@ def scatter_rows(pool: jax.Array, rows: jax.Array, meta: AttentionMetadata) -> j
   """Write rows [b, T, ...] at `meta.positions` into pages [P, R, ...] through the table (a
   row cache, or the NextN block's history); a row on no page is dropped."""
   pages, offsets = _pages_of(meta, pool.shape[1], pool.shape[0])
-  return pool.at[pages, offsets].set(rows.astype(pool.dtype), mode="drop")
+  return pool.at[pages, offsets].set(_stored(rows, pool.dtype), mode="drop")
 
 
 def gather_rows(pool: jax.Array, meta: AttentionMetadata) -> jax.Array:
   """The rows [b, T, ...] at `meta.positions` of pages [P, R, ...]; a row on no page reads as
   some page's row (past the slot's position: callers mask or rewrite it)."""
   pages, offsets = _pages_of(meta, pool.shape[1], pool.shape[0])
-  return pool.at[pages, offsets].get(mode="clip")
+  return _values(pool.at[pages, offsets].get(mode="clip"))
 
 
 def _pages_of(meta: AttentionMetadata, page_rows: int, pool_pages: int
@@ -159,7 +185,8 @@ def attention(cache: tuple[jax.Array, jax.Array], q: jax.Array, k: jax.Array, v:
   hkv, vd = k_cache.shape[1], v_cache.shape[2]
   dtype = q.dtype
   q = q.reshape(b, t, hkv, h // hkv, hd).astype(jnp.float32) / jnp.sqrt(jnp.float32(hd))
-  rows = lambda cache, first, n, axis: window_rows(cache, first, n, axis).astype(jnp.float32)
+  rows = lambda cache, first, n, axis: _values(window_rows(cache, first, n, axis)).astype(
+      jnp.float32)
   out = blockwise.attend(
       lambda first, n: jnp.einsum("btkgd,bksd->bkgts", q, rows(k_cache, first, n, 2)),
       lambda first, n: _causal(first, n, positions),
@@ -181,13 +208,13 @@ def _paged_attention(cache, q, k, v, meta: AttentionMetadata):
   k_pool, v_pool = cache
   page_rows, table, positions = k_pool.shape[2], meta.page_table, meta.positions
   pages, offsets = _pages_of(meta, page_rows, k_pool.shape[0])
-  k_pool = k_pool.at[pages, :, offsets].set(k.astype(k_pool.dtype), mode="drop")
-  v_pool = v_pool.at[pages, :, :, offsets].set(v.astype(v_pool.dtype), mode="drop")
+  k_pool = k_pool.at[pages, :, offsets].set(_stored(k, k_pool.dtype), mode="drop")
+  v_pool = v_pool.at[pages, :, :, offsets].set(_stored(v, v_pool.dtype), mode="drop")
   b, t, h, hd = q.shape
   hkv, vd, dtype = k_pool.shape[1], v_pool.shape[2], q.dtype
   q = q.reshape(b, t, hkv, h // hkv, hd).astype(jnp.float32) / jnp.sqrt(jnp.float32(hd))
-  gather = lambda pool, first, n: _gather_pages(pool, table, first, n, page_rows).astype(
-      jnp.float32)
+  gather = lambda pool, first, n: _values(_gather_pages(pool, table, first, n, page_rows)
+                                         ).astype(jnp.float32)
 
   def scores(first, n):         # keys [b, n / R, Hkv, R, hd]
     s = jnp.einsum("btkgd,bnkrd->bkgtnr", q, gather(k_pool, first, n))

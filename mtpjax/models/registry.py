@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from mtpjax import errors
 from mtpjax.models import config as config_lib
-from mtpjax.models import glm_names
+from mtpjax.models import glm_names, kv_cache
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.glm4_moe import GlmModel
 from mtpjax.models.interface import CausalLM, StageLayout
@@ -66,6 +66,7 @@ def cache_shapes(cfg: ModelConfig, n_layers: int, batch: int, length: int) -> li
 
 
 def init_cache(cfg: ModelConfig, n_layers: int, batch: int, length: int, dtype) -> list:
-  """Zeroed caches for `n_layers` blocks, `length` rows per slot."""
+  """Zeroed caches for `n_layers` blocks, `length` rows per slot, of `dtype` values."""
+  dtype = kv_cache.storage_dtype(dtype)
   return [(jnp.zeros(ks, dtype), jnp.zeros(vs, dtype))
           for ks, vs in cache_shapes(cfg, n_layers, batch, length)]
