@@ -124,7 +124,8 @@ class BenchMemoryTest(absltest.TestCase):
     path = cls.tmp / "air.gguf"
     write_synthetic_gguf(path, small("glm-4.5-air"), 2, tensor_type="F16")
     model = mtpjax.load(str(path), dtype="float32", **_dense_kwargs())
-    cls.report = weight_bytes.report(model, weight_bytes.measure(model), 0.15)
+    cls.report = weight_bytes.report(model, weight_bytes.measure(model), 0.15, kv_bytes=2,
+                                     utilization=0.9)
 
   def test_device_bytes_per_type(self):
     """Dense float32 on the device: F16 tensors take twice their GGUF bytes, F32 the same."""
@@ -168,6 +169,31 @@ class BenchMemoryTest(absltest.TestCase):
     self.assertAlmostEqual(flash["device_gb"], 4 * params / 1e9, places=6)
     # ~125 GB: over 85% of an H200 (119.85 GB) and of a v5e-8 (108.8), under a v6e-8's (217.6).
     self.assertEqual(flash["fits"], {"h200": False, "tpu_v5e_8": False, "tpu_v6e_8": True})
+
+  def test_kv_cache_per_token_matches_hand_count(self):
+    """Bytes a token takes in the pools (bfloat16 K/V, the float32 model's MTP history row and
+    token id), and the tokens that fit beside the float32 weights in 90% of each target."""
+    extrapolated = self.report["extrapolated"]
+    # GLM-4.5-Air: 46 layers of 8 KV heads x (128 keys + 128 values); NextN the same, history
+    # a 4096-wide float32 row and an int32 token.
+    self.assertEqual(extrapolated["glm-4.5-air"]["kv_bytes_per_token"],
+                     {"trunk": 46 * 2048 * 2, "mtp": 2048 * 2 + 4096 * 4 + 4,
+                      "total": 47 * 2048 * 2 + 4096 * 4 + 4})
+    # GLM-4.7-Flash: 47 layers of one 512 + 64 latent row; GLM-5 adds its 128-wide indexer key.
+    flash = extrapolated["glm-4.7-flash"]
+    self.assertEqual(flash["kv_bytes_per_token"]["total"], 48 * 576 * 2 + 2048 * 4 + 4)
+    self.assertEqual(extrapolated["glm-5"]["kv_bytes_per_token"]["trunk"], 78 * 704 * 2)
+    per_token = 48 * 576 * 2 + 2048 * 4 + 4
+    want = {target: max(0, int((0.9 * capacity - flash["device_gb"] * 1e9) // per_token))
+            for target, capacity in (("h200", 141e9), ("tpu_v5e_8", 128e9),
+                                     ("tpu_v6e_8", 256e9))}
+    self.assertEqual(flash["kv_tokens"], want)
+    self.assertGreater(want["tpu_v6e_8"], 32768)
+    # GLM-4.5-Air in float32 (~440 GB) fits nowhere: no room for any cache.
+    self.assertEqual(extrapolated["glm-4.5-air"]["kv_tokens"],
+                     {"h200": 0, "tpu_v5e_8": 0, "tpu_v6e_8": 0})
+    self.assertEqual(flash["sequences_of_32768"],
+                     {target: n // 32768 for target, n in want.items()})
 
 
 # Captured from `llama-bench -m demo.gguf -p 512 -n 128 -t 1 -r 2 -o json` (llama.cpp 0c1e570,

@@ -1,6 +1,7 @@
 """Weight bytes of a loaded model per GGUF tensor type, and of every named GLM variant at its
-real depth extrapolated from them (tools/bench_memory.py is the command). No flags, so tests
-import it."""
+real depth extrapolated from them, with the KV cache a token takes and how many tokens of it
+fit beside the weights (tools/bench_memory.py is the command). No flags, so tests import
+it."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import dataclasses
 import math
 import re
 
+import jax.numpy as jnp
 from flax import nnx
 
+from mtpjax import loading
 from mtpjax.gguf.tensors import keeps_f32, numpy_shape
 from mtpjax.models.glm_names import targets_for
 from mtpjax.testing.glm_variants import VARIANTS, GlmVariant
@@ -18,6 +21,7 @@ from mtpjax.testing.synthetic_glm import REAL_LAYERS_KEY, VARIANT_KEY, tensor_sh
 
 # Weight memory of each target, in bytes (GB = 1e9, as the vendors quote them).
 TARGETS = {"h200": 141e9, "tpu_v5e_8": 8 * 16e9, "tpu_v6e_8": 8 * 32e9}
+SEQUENCE = 32768           # `sequences_of_32768`: whole sequences of this context that fit
 
 _BLK = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -71,8 +75,23 @@ def _per_element(measured: Measured, name: str, ndim: int) -> tuple[float, float
           sum(r[1] for r in pool) / sum(r[2] for r in pool), True)
 
 
-def extrapolate(variant: GlmVariant, measured: Measured, headroom: float) -> dict:
-  """Full-model bytes of `variant` at its real depth from the measured bytes per element."""
+def kv_bytes_per_token(variant: GlmVariant, value_bytes: int, hidden_bytes: int) -> dict:
+  """Cache bytes one token takes in the engine's pools at the variant's real depth: the trunk's
+  K/V (GQA keys and values; MLA's latent + rope row, and glm-dsa's indexer key), and with
+  native MTP the NextN block's K/V and its history row (a hidden row and a token id)."""
+  if variant.is_mla:
+    per_layer = variant.kv_lora + variant.qk_rope + variant.indexer_dim
+  else:
+    per_layer = 2 * variant.n_kv_heads * variant.head_dim
+  trunk = variant.real_layers * per_layer * value_bytes
+  mtp = variant.nextn_layers * (per_layer * value_bytes + variant.hidden * hidden_bytes + 4)
+  return {"trunk": trunk, "mtp": mtp, "total": trunk + mtp}
+
+
+def extrapolate(variant: GlmVariant, measured: Measured, headroom: float, kv_bytes: int,
+                hidden_bytes: int, utilization: float) -> dict:
+  """Full-model bytes of `variant` at its real depth from the measured bytes per element, and
+  the tokens of KV cache that fit beside them in `utilization` of each target's memory."""
   sample_layers = variant.leading_dense + 1          # every kind of trunk layer once
   parts = {"shared": [0.0, 0.0], "dense_layer": [0.0, 0.0], "moe_layer": [0.0, 0.0]}
   estimated = set()
@@ -89,6 +108,9 @@ def extrapolate(variant: GlmVariant, measured: Measured, headroom: float) -> dic
   moe_layers = variant.real_layers - variant.leading_dense
   total = [parts["shared"][i] + parts["dense_layer"][i] * variant.leading_dense
            + parts["moe_layer"][i] * moe_layers for i in range(2)]
+  kv = kv_bytes_per_token(variant, kv_bytes, hidden_bytes)
+  tokens = {target: max(0, math.floor((utilization * capacity - total[1]) / kv["total"]))
+            for target, capacity in TARGETS.items()}
   return {
       "real_layers": variant.real_layers, "dense_layers": variant.leading_dense,
       "gguf_gb": total[0] / 1e9, "device_gb": total[1] / 1e9,
@@ -96,10 +118,18 @@ def extrapolate(variant: GlmVariant, measured: Measured, headroom: float) -> dic
       "fits": {target: total[1] <= (1 - headroom) * capacity
                for target, capacity in TARGETS.items()},
       "estimated_roles": sorted(estimated),
+      "kv_bytes_per_token": kv,
+      "kv_tokens": tokens,
+      f"sequences_of_{SEQUENCE}": {target: n // SEQUENCE for target, n in tokens.items()},
   }
 
 
-def report(model, measured: Measured, headroom: float) -> dict:
+def report(model, measured: Measured, headroom: float, *, kv_bytes: int,
+           utilization: float) -> dict:
+  """The measured bytes per type and every variant extrapolated (`extrapolate`); `kv_bytes`
+  per cached K/V value (the engine's `kv_cache_dtype`), the MTP history in the model's
+  activation dtype."""
+  hidden_bytes = jnp.dtype(loading.resolve_dtype(model.dtype)).itemsize
   meta = model.source.metadata
   gguf_total = sum(r[0] for r in measured.by_type.values())
   device_total = sum(r[1] for r in measured.by_type.values()) + measured.unmatched_device_bytes
@@ -113,5 +143,7 @@ def report(model, measured: Measured, headroom: float) -> dict:
       "device_over_gguf": device_total / gguf_total,
       "unmatched_device_bytes": measured.unmatched_device_bytes,
       "headroom": headroom, "targets_gb": {k: v / 1e9 for k, v in TARGETS.items()},
-      "extrapolated": {name: extrapolate(v, measured, headroom) for name, v in VARIANTS.items()},
+      "kv_value_bytes": kv_bytes, "memory_utilization": utilization,
+      "extrapolated": {name: extrapolate(v, measured, headroom, kv_bytes, hidden_bytes,
+                                         utilization) for name, v in VARIANTS.items()},
   }
