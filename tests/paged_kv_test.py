@@ -1,7 +1,8 @@
 """The paged KV cache: the allocator against hand-computed tables, paged attention against the
 per-slot layout, and engines over a pool smaller than slots x max_len against full forwards
 and each request decoded alone (glm4moe, deepseek2 MLA, glm-dsa with index_topk below the
-prompts), with MTP on and off, greedy and sampled, and prefix pages shared."""
+prompts), with MTP on and off, greedy and sampled, and prefix pages shared; bfloat16 pools held
+as their bits, and a bfloat16 KV cache for a float32 model."""
 
 import dataclasses
 import tempfile
@@ -126,6 +127,7 @@ class PagedAttentionTest(absltest.TestCase):
                      selected)
     got, _ = latent(row_pool, row, q_lat, q_pe, kv_cache.AttentionMetadata(positions, table),
                     0.5, selected)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
   def test_bfloat16_pools_hold_bits_and_attend_like_float32_of_the_same_values(self):
     rng = np.random.default_rng(1)
@@ -163,7 +165,6 @@ class PagedAttentionTest(absltest.TestCase):
         (bits(k_pool), bits(v_pool)), q, k, v, meta).compile().as_text()
     self.assertNotIn(f"f32[{pool_size},{hkv},{rows},{hd}]", compiled)
     self.assertNotIn(f"bf16[{pool_size},{hkv},{rows},{hd}]", compiled)
-    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
 def _requests(vocab: int, count: int, seed: int) -> list[Request]:
