@@ -1,8 +1,9 @@
 #!/bin/bash
-# The accelerator check of #16 in one unattended call (~3.5 min on an H200): a GLM-4.7-Flash-
-# shaped synthetic model (4 trunk layers, Q4_K), where a step's device time goes
-# (tools/trace_decode.py), and decode tok/s with the HBM roofline fraction, quantized vs dense,
-# over 1 and 8 slots (tools/bench_gpu_roofline.py). JSON lines go to ${OUT:-/tmp/gpu_check}.
+# The accelerator checks of #16 and #17 in one unattended call (~4.5 min on an H200): a
+# GLM-4.7-Flash-shaped synthetic model (4 trunk layers, Q4_K), where a step's device time goes
+# (tools/trace_decode.py), decode tok/s with the HBM roofline fraction, quantized vs dense,
+# over 1 and 8 slots (tools/bench_gpu_roofline.py), and the step time against tokens held at a
+# 32K context (tools/bench_context.py). JSON lines go to ${OUT:-/tmp/gpu_check}.
 #   bash tools/gpu_check.sh          # PYTHON=python3.12 bash tools/gpu_check.sh
 set -u
 cd "$(dirname "$0")/.."
@@ -16,5 +17,7 @@ $PY -m tools.make_synthetic --variant=glm-4.7-flash --layers=4 --type=Q4_K --out
 $PY -m tools.trace_decode --source="$MODEL" --dtype=bfloat16 --top=8 > "$OUT/trace.json"
 $PY -m tools.bench_gpu_roofline --source="$MODEL" --dtype=bfloat16 --slot_counts=1,8 \
   --decode_tokens=64 --rounds=2 > "$OUT/roofline.json"
+$PY -m tools.bench_context --modes=steps --source="$MODEL" --dtype=bfloat16 --context=32768 \
+  --held=128,1024,4096,16384,32000 --steps=10 --step_rounds=2 > "$OUT/context.json"
 rm -f "$MODEL"
-cat "$OUT/trace.json" "$OUT/roofline.json"
+cat "$OUT/trace.json" "$OUT/roofline.json" "$OUT/context.json"
