@@ -193,6 +193,9 @@ class StartupErrorTest(parameterized.TestCase):
       ("bad_drafting_mode", ("--config=configs/glm.py",
                              "--config.engine.adaptive_drafting=sometimes"),
        "unknown adaptive drafting mode 'sometimes'"),
+      ("bad_kv_cache_dtype", ("--config=configs/glm.py",
+                              "--config.engine.kv_cache_dtype=float16"),
+       "engine.kv_cache_dtype 'float16' is not one of"),
   )
   def test_exits_with_the_message(self, flags, message):
     tmp = tempfile.mkdtemp(prefix="mtpjax-startup-test-")

@@ -31,6 +31,14 @@ DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")   # `EngineConfig.kv_cache_dtype`
 
 
+def check_kv_cache_dtype(name: str) -> None:
+  """Refuse a `kv_cache_dtype` not in KV_CACHE_DTYPES (the server asks before it loads)."""
+  if name not in KV_CACHE_DTYPES:
+    raise errors.MtpjaxError(f"engine.kv_cache_dtype {name!r} is not one of {KV_CACHE_DTYPES}",
+                             field="engine.kv_cache_dtype",
+                             remedy="choose auto (the activation dtype), bfloat16 or float32")
+
+
 def pow2_bucket(n: int, minimum: int = 16) -> int:
   """The smallest power-of-two length >= n (and >= minimum): padded shapes compile once each."""
   size = minimum
@@ -176,11 +184,7 @@ class EngineConfig:
     return jnp.dtype(self.kv_cache_dtype)
 
   def check_model(self, cfg: ModelConfig) -> None:
-    if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-      raise errors.MtpjaxError(
-          f"engine.kv_cache_dtype {self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}",
-          field="engine.kv_cache_dtype",
-          remedy="choose auto (the activation dtype), bfloat16 or float32")
+    check_kv_cache_dtype(self.kv_cache_dtype)
     if not kv_cache.tiles_blocks(self.kv_page):
       raise errors.MtpjaxError(
           f"engine.kv_page must be a power of two up to {kv_cache.blockwise.BLOCK}, got "

@@ -17,7 +17,7 @@ from absl import logging
 
 import mtpjax
 from mtpjax import distributed, embedded, errors, speculative, warm_start
-from mtpjax.engine.contract import warm_up
+from mtpjax.engine.contract import check_kv_cache_dtype, warm_up
 from mtpjax.engine.drafting_policy import AdaptiveDrafting
 from mtpjax.engine.sampling import MAX_TOP_LOGPROBS
 from mtpjax.engine.scheduler import SlotScheduler
@@ -76,6 +76,7 @@ def build_service(config) -> Service:
     raise errors.MtpjaxError(f"engine.logprobs = {engine_cfg.logprobs} is out of range",
                              field="engine.logprobs",
                              remedy=f"choose 0 (no logprobs) to {MAX_TOP_LOGPROBS}")
+  check_kv_cache_dtype(engine_cfg.kv_cache_dtype)
   source = embedded.resolve_source(config)
   cache = warm_start.enable_compilation_cache(config)
   if cache is not None:
