@@ -152,10 +152,9 @@ def measure_steps() -> dict:
   variants += [(f"blockwise_page_{rows}", blockwise.BLOCK,
                 dataclasses.replace(engine_cfg, kv_page=rows)) for rows in pages[1:]]
   block = blockwise.BLOCK
-  engines, configs = {}, {}
+  engines = {}
   for name, rows, cfg in variants:
     blockwise.BLOCK = rows       # read at trace time: each engine compiles with its own
-    configs[name] = cfg
     engines[name] = Engine(model.stage_weights(with_mtp=False),
                            model.stage_layouts(with_mtp=False), model.hops, model.config,
                            cfg, dtype=loading.resolve_dtype(model.dtype))
@@ -169,7 +168,7 @@ def measure_steps() -> dict:
   page_bytes = {}
   for name, engine in engines.items():
     pool_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.init_state().kv))
-    page_bytes[name] = pool_bytes / configs[name].pool_pages
+    page_bytes[name] = pool_bytes / engine.engine_cfg.pool_pages
     if name == "blockwise":
       out["kv_pool_bytes"] = pool_bytes
   held_keys = {name: "kv_bytes_held" if name == "blockwise" else f"{name}_kv_bytes_held"

@@ -115,8 +115,8 @@ def _row_reader(cache: jax.Array, rows: jax.Array, meta: AttentionMetadata):
             seq.shape[1], cache)
   page_rows = cache.shape[1]
   cache = scatter_rows(cache, rows, meta)
-  read = lambda first, n: _values(_gather_pages(cache, meta.page_table, first, n, page_rows)
-                                 ).reshape(b, n, cache.shape[-1]).astype(jnp.float32)
+  read = lambda first, n: _gather_pages(cache, meta.page_table, first, n, page_rows).reshape(
+      b, n, cache.shape[-1]).astype(jnp.float32)
   return read, sequence_length(cache, meta), cache
 
 
@@ -147,12 +147,13 @@ def _pages_of(meta: AttentionMetadata, page_rows: int, pool_pages: int
 def _gather_pages(pool: jax.Array, table: jax.Array, first, n: int, page_rows: int
                   ) -> jax.Array:
   """The pages holding rows [first, first + n) of every slot, [b, n // R, ...] (R rows a page;
-  `first` and `n` are multiples of R: blocks are whole pages). A page not allocated reads as
-  the pool's last page: its rows lie past the slot's position and are masked."""
+  `first` and `n` are multiples of R: blocks are whole pages), as the values they hold. A page
+  not allocated reads as the pool's last page: its rows lie past the slot's position and are
+  masked."""
   count = n // page_rows
   ids = table if count == table.shape[1] else jax.lax.dynamic_slice_in_dim(
       table, first // page_rows, count, axis=1)
-  return jnp.take(pool, ids, axis=0, mode="clip")
+  return _values(jnp.take(pool, ids, axis=0, mode="clip"))
 
 
 def window_rows(cache: jax.Array, first, n: int, axis: int) -> jax.Array:
@@ -213,8 +214,8 @@ def _paged_attention(cache, q, k, v, meta: AttentionMetadata):
   b, t, h, hd = q.shape
   hkv, vd, dtype = k_pool.shape[1], v_pool.shape[2], q.dtype
   q = q.reshape(b, t, hkv, h // hkv, hd).astype(jnp.float32) / jnp.sqrt(jnp.float32(hd))
-  gather = lambda pool, first, n: _values(_gather_pages(pool, table, first, n, page_rows)
-                                         ).astype(jnp.float32)
+  gather = lambda pool, first, n: _gather_pages(pool, table, first, n, page_rows).astype(
+      jnp.float32)
 
   def scores(first, n):         # keys [b, n / R, Hkv, R, hd]
     s = jnp.einsum("btkgd,bnkrd->bkgtnr", q, gather(k_pool, first, n))
