@@ -94,6 +94,24 @@ class ExactnessTest(parameterized.TestCase):
                   and e.invars[0].aval.dtype == np.int8 and e.invars[0] not in inputs]
       self.assertEqual(computed, [])
 
+  def test_a_biased_one_tile_row_keeps_its_weight_in_the_dot(self):
+    # A bias added to a one-tile contraction used to fuse into the dot on XLA:CPU, which then
+    # wrote the whole dequantized matrix to memory (f32[in, out]) at every decode step.
+    shape = (96, 256)
+    rng = np.random.default_rng(3)
+    raw = random_valid_blocks(rng, "Q8_0", shape)
+    fields = {n: jnp.asarray(a) for n, a in quant_blocks.unpack("Q8_0", raw, shape).items()}
+    x = jnp.asarray(rng.standard_normal((1, shape[1])), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(shape[0]), jnp.float32)
+    biased = jax.jit(lambda x, f, b: quantized.contract(x, "Q8_0", f) + b)
+    entry = biased.lower(x, fields, bias).compile().as_text().split("\nENTRY ")[1]
+    if jax.default_backend() == "cpu":   # no buffer of the step holds the float32 matrix
+      self.assertNotRegex(entry, r"= f32\[(96,256|256,96)\]")
+    dense = quants.dequantize(raw, GGMLQuantizationType.Q8_0).reshape(shape).astype(np.float64)
+    want = np.asarray(x, np.float64) @ dense.T + np.asarray(bias, np.float64)
+    np.testing.assert_allclose(np.asarray(biased(x, fields, bias)), want, rtol=1e-5,
+                               atol=1e-5 * np.abs(want).max())
+
   def test_device_bytes_near_file_bytes(self):
     for type_name, shape in _SHAPES.items():
       tensor = quantized.QuantizedTensor(type_name, shape)
