@@ -32,6 +32,8 @@ _SPLIT_DIM = {
     "gate_exps": 0, "up_exps": 0, "down_exps": 0,            # experts
     "embed": 0, "head": -1,                                   # vocabulary
 }
+# Per-head projections ([H, out, in], GGUF layout whether dense or quantized): split by head.
+_HEADS_FIRST = ("wk_b", "wv_b")
 
 
 def make_mesh(*, stages: int = 1, tensor: int | None = None, devices=None) -> Mesh:
@@ -65,8 +67,8 @@ def _quantized_split(path: tuple) -> int | None:
   split = _SPLIT_DIM.get(role(weight))
   if split is None:
     return None
-  if weight[-1] == "weight":           # a Linear: dense [in, out], quantized [out, in]
-    return 0 if split % 2 == 1 else 1
+  if weight[-1] == "weight" and role(weight) not in _HEADS_FIRST:
+    return 0 if split % 2 == 1 else 1  # a Linear: dense [in, out], quantized [out, in]
   return split % (3 if role(weight).endswith("_exps") else 2)
 
 

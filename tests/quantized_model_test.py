@@ -126,6 +126,21 @@ class QuantizedCheckpointTest(absltest.TestCase):
     self.assertEqual(wo.d[...].addressable_shards[0].data.shape, (64, 2))
 
 
+class QuantizedShardingRulesTest(absltest.TestCase):
+
+  def test_per_head_projections_split_by_head_dense_or_quantized(self):
+    # MLA's attn_k_b / attn_v_b are [H, out, in] in GGUF layout either way (no transpose, unlike
+    # a Linear), so both forms split their head axis; a Linear's quantized [out, n_blocks, 32]
+    # splits out for an output-split role.
+    spec = lambda *path, shape: sharding.param_spec(("layers", 1, "attn") + path, shape, 2)
+    P = jax.sharding.PartitionSpec
+    self.assertEqual(spec("wk_b", "weight", "qs", shape=(4, 256, 2, 32)),
+                     P("tensor", None, None, None))
+    self.assertEqual(spec("wv_b", "weight", "d", shape=(4, 64, 1)), P("tensor", None, None))
+    self.assertEqual(spec("wv_b", "weight", shape=(4, 64, 256)), P("tensor", None, None))
+    self.assertEqual(spec("wq_b", "weight", "qs", shape=(384, 1, 144)), P("tensor", None, None))
+
+
 def _module(model, path):
   graphdef, state = model.weights(with_mtp=model.load_options.native_mtp)
   node = nnx.merge(graphdef, state)

@@ -70,6 +70,25 @@ class ExactnessTest(parameterized.TestCase):
       got = jax.jit(quantized.tiled_contract, static_argnums=(1, 3))(eye, type_name, fields, 32)
     np.testing.assert_array_equal(np.asarray(got).T, want)
 
+  @parameterized.product(type_name=("Q5_0", "Q4_K", "Q8_0"), path=("fused", "dense"))
+  def test_per_head_contraction_reads_each_heads_exact_values(self, type_name, path):
+    # MLA's attn_k_b / attn_v_b: [H, out, in]. Unit rows per head pick single weights: x[.., h]
+    # = e_i against head h gives column i of head h exactly (the fused loop is the
+    # accelerators' few-row path, the dense one XLA:CPU's and prefill's).
+    rng = np.random.default_rng(7 + sum(map(ord, type_name)))
+    shape = (3, 5) + _SHAPES[type_name][-1:]
+    raw = random_valid_blocks(rng, type_name, shape)
+    want = quants.dequantize(raw, GGMLQuantizationType[type_name]).reshape(shape)
+    fields = {n: jnp.asarray(a) for n, a in quant_blocks.unpack(type_name, raw, shape).items()}
+    eye = jnp.broadcast_to(jnp.eye(shape[-1], dtype=jnp.float32)[:, None],
+                           (shape[-1], 3, shape[-1]))
+    if path == "fused":
+      got = jax.jit(quantized.fused_contract, static_argnums=1)(eye, type_name, fields)
+    else:
+      got = jax.jit(quantized.contract_heads, static_argnums=1)(eye, type_name, fields)
+    self.assertEqual(got.shape, (shape[-1], 3, 5))
+    np.testing.assert_array_equal(np.asarray(got).transpose(1, 2, 0), want)
+
   def test_tiles_divide_the_rows_or_are_not_used(self):
     self.assertEqual(quantized._tile_rows(154880, 2048), 256)   # GLM's head: 605 tiles
     self.assertEqual(quantized._tile_rows(5120, 768), 512)      # 512 x 768 <= 2^19 values

@@ -15,6 +15,7 @@ import tempfile
 import gguf
 import numpy as np
 from absl.testing import absltest, parameterized
+from flax import nnx
 
 import mtpjax
 from mtpjax.embedded import DEMO_PACKAGE
@@ -113,6 +114,14 @@ class SyntheticGgufTest(parameterized.TestCase):
     self.assertEqual(logits.shape, (6, 1024))
     self.assertTrue(np.isfinite(logits).all())
     self.assertLen(model.generate(np.arange(6), max_new_tokens=3).tokens, 3)
+    # MLA's per-head attn_k_b (Q8_0 here) and attn_v_b (Q4_K) stay in their GGUF blocks and
+    # compute what the float32 values dequantized at load compute.
+    graphdef, state = model.weights(with_mtp=True)
+    attn = nnx.merge(graphdef, state).layers[1].attn
+    self.assertEqual((attn.wk_b.weight.type_name, attn.wv_b.weight.type_name), ("Q8_0", "Q4_K"))
+    dense = mtpjax.load(str(self.paths["glm-4.7-flash"]), weights="dense")
+    np.testing.assert_allclose(logits, dense.logits(np.arange(6)), rtol=0,
+                               atol=1e-4 * np.abs(logits).max())
 
 
 class BenchMemoryTest(absltest.TestCase):

@@ -20,7 +20,7 @@ from flax import nnx
 from mtpjax.models import kv_cache, yarn
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.dsa_indexer import Indexer
-from mtpjax.models.primitives import Einsum, Linear, RMSNorm
+from mtpjax.models.primitives import HeadProjection, Linear, RMSNorm
 
 
 class MlaAttention(nnx.Module):
@@ -41,8 +41,8 @@ class MlaAttention(nnx.Module):
     self.wkv_a = Linear(d, cfg.kv_lora_rank + rope, dtype)
     self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, cfg.eps)
     # q_nope into the latent, and the latent output out to per-head values (absorbed form).
-    self.wk_b = Einsum("bthn,hcn->bthc", (h, cfg.kv_lora_rank, nope), dtype)
-    self.wv_b = Einsum("bthc,hvc->bthv", (h, cfg.value_dim, cfg.kv_lora_rank), dtype)
+    self.wk_b = HeadProjection(h, cfg.kv_lora_rank, nope, dtype)
+    self.wv_b = HeadProjection(h, cfg.value_dim, cfg.kv_lora_rank, dtype)
     self.wo = Linear(h * cfg.value_dim, d, dtype)
     self.indexer = Indexer(cfg, dtype) if cfg.layer_has_indexer(layer) else None
     # A glm-dsa trunk layer without its own indexer reuses the previous layer's selection.

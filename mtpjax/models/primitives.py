@@ -1,9 +1,10 @@
 """The numeric building blocks every architecture shares: norms, RoPE and weight-owning modules.
 
 Projection and expert weights live in modules that do their own contraction (`Linear`,
-`Einsum`, `ffn.Experts`), so a new weight representation (integers with scales) or kernel is a
-swap of these modules plus a loader rule, never a hunt through call sites. A `Linear` weight may
-be a `quantized.QuantizedTensor` instead (the loader swaps it in), kept in GGUF layout `[out, in]`.
+`HeadProjection`, `Einsum`, `ffn.Experts`), so a new weight representation (integers with
+scales) or kernel is a swap of these modules plus a loader rule, never a hunt through call
+sites. A `Linear` or `HeadProjection` weight may be a `quantized.QuantizedTensor` instead (the
+loader swaps it in), kept in GGUF layout (`[out, in]`, `[H, out, in]`).
 
 `Linear` stores its matrix `[in, out]`, the transpose of GGUF's `[out, in]` (the loader
 transposes it): `x @ W` over row-major `[in, out]` keeps a verify pass of 2 rows (and any small
@@ -51,10 +52,8 @@ class Linear(nnx.Module):
 
 
 class Einsum(nnx.Module):
-  """A weight contracted by a fixed einsum `spec` ("inputs,weight->out"), in float32.
-
-  For per-head weights that are no plain matrix, e.g. MLA's absorbed `attn_k_b` / `attn_v_b`.
-  """
+  """A dense weight contracted by a fixed einsum `spec` ("inputs,weight->out"), in float32
+  (the MoE router)."""
 
   def __init__(self, spec: str, shape: tuple[int, ...], dtype):
     self.spec = spec
@@ -62,6 +61,24 @@ class Einsum(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return jnp.einsum(self.spec, x.astype(jnp.float32), self.weight[...].astype(jnp.float32))
+
+
+class HeadProjection(nnx.Module):
+  """One `[out, in]` matrix per head, `[H, out, in]` in GGUF layout (MLA's absorbed `attn_k_b`
+  / `attn_v_b`), applied to `x [..., H, in]`: `[..., H, out]` in float32.
+
+  The loader may swap in a `quantized.QuantizedTensor`, as for a `Linear`: GLM-4.7-Flash's
+  are Q5_0 / Q4_K, a quarter of their bfloat16 bytes at every decode step, and exact.
+  """
+
+  def __init__(self, heads: int, out_dim: int, in_dim: int, dtype):
+    self.weight = GgufWeight(jnp.zeros((heads, out_dim, in_dim), dtype))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    if isinstance(self.weight, quantized.QuantizedTensor):
+      return quantized.contract_heads(x, self.weight.type_name, self.weight.fields())
+    return jnp.einsum("...hi,hoi->...ho", x.astype(jnp.float32),
+                      self.weight[...].astype(jnp.float32))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -197,6 +197,17 @@ def contract(x: jax.Array, type_name: str, fields: dict[str, jax.Array]) -> jax.
   return jnp.einsum("...i,oi->...o", x, dequantize_fields(type_name, fields).astype(x.dtype))
 
 
+def contract_heads(x: jax.Array, type_name: str, fields: dict[str, jax.Array]) -> jax.Array:
+  """`x [..., H, in]` against quantized per-head `[H, out, in]` fields: `[..., H, out]` float32.
+  Accelerators read few rows in the fused loop (the heads broadcast like gathered experts);
+  more rows, and XLA:CPU, contract the exact float32 values of all heads at once (on XLA:CPU a
+  per-head loop or a vmapped tile costs as much, measured on GLM-4.7-Flash's shapes)."""
+  x = x.astype(F32)
+  if jax.default_backend() != "cpu" and math.prod(x.shape[:-2]) <= FUSED_ROWS:
+    return fused_contract(x, type_name, fields)
+  return jnp.einsum("...hi,hoi->...ho", x, dequantize_fields(type_name, fields))
+
+
 def _tile_rows(out: int, width: int) -> int:
   """Rows per tile of an `[out, width]` matrix: all of them if it holds at most TILE_ELEMENTS
   values, else the largest power of two dividing `out` whose tile does, or 0 when that is
