@@ -33,7 +33,9 @@ RECORD_NAME = "mtpjax-checkpoint.json"
 # (`attn/wq/weight`, `ffn/experts/up_exps`).
 # 4: weights may be quantized (the record's `weights`): a quantized parameter is its block
 # fields (`attn/wq/weight/qs`, `.../d`), typed by the record's `source.tensor_types`.
-FORMAT_VERSION = 4
+# 5: MLA's per-head `attn/wk_b` / `attn/wv_b` are quantized like projections; a version 4
+# checkpoint of an MLA model holds them dense.
+FORMAT_VERSION = 5
 
 
 def is_checkpoint(path) -> bool:

@@ -188,8 +188,9 @@ class FormatVersionTest(absltest.TestCase):
 
   def test_a_checkpoint_of_the_older_format_is_refused_with_the_remedy(self):
     # Version 1 stored projections [out, in] (restoring it would transpose square matrices);
-    # version 3 had no quantized fields and no tensor types.
-    for version in (1, 3):
+    # version 3 had no quantized fields and no tensor types; version 4 kept MLA's per-head
+    # projections dense.
+    for version in (1, 3, 4):
       old = WORK / f"format-{version}"
       shutil.copytree(CKPT, old)
       record = checkpoint.read_record(old) | {"format_version": version}

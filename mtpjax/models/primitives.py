@@ -68,7 +68,7 @@ class HeadProjection(nnx.Module):
   / `attn_v_b`), applied to `x [..., H, in]`: `[..., H, out]` in float32.
 
   The loader may swap in a `quantized.QuantizedTensor`, as for a `Linear`: GLM-4.7-Flash's
-  are Q5_0 / Q4_K, a quarter of their bfloat16 bytes at every decode step, and exact.
+  are Q5_0 / Q4_K, about 30% of their bfloat16 bytes at every decode step, and exact.
   """
 
   def __init__(self, heads: int, out_dim: int, in_dim: int, dtype):
