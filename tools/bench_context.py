@@ -45,6 +45,9 @@ _MODES = flags.DEFINE_list("modes", ["steps", "ttft", "stall", "start"], "measur
 _SERVE_FLAGS = flags.DEFINE_list("serve_flags", [], "extra flags for the servers (start)")
 _LONG_PROMPT = flags.DEFINE_integer("long_prompt", 2000, "tokens of the long prompt (stall)")
 _MAX_LEN = flags.DEFINE_integer("max_len", 4096, "engine context length (stall)")
+_BUCKETS = flags.DEFINE_list("prefill_buckets", ["16", "32", "64", "128", "256"],
+                             "prefill chunk buckets (stall, ttft); the largest is the chunk a "
+                             "long prompt is prefilled and cached in")
 _HELD = flags.DEFINE_list("held", ["128", "1024", "4096", "16384", "32768"],
                           "tokens held by the slot (steps)")
 _STEPS = flags.DEFINE_integer("steps", 20, "timed steps per point (steps)")
@@ -99,7 +102,7 @@ def measure_stall() -> dict:
   from mtpjax.engine.scheduler import Request, SlotScheduler
   model = mtpjax.load(embedded.DEMO_PACKAGE)
   engine = model.engine(native_mtp=False, slots=2, max_len=_MAX_LEN.value,
-                        prefill_buckets=(16, 32, 64, 128, 256))
+                        prefill_buckets=_buckets())
   warm_up(engine)
   rng = np.random.default_rng(0)
   vocab = model.config.vocab_size
@@ -205,6 +208,10 @@ def measure_steps() -> dict:
   return out
 
 
+def _buckets() -> tuple[int, ...]:
+  return tuple(sorted(int(b) for b in _BUCKETS.value))
+
+
 def measure_ttft() -> dict:
   """Time to first token of a --long_prompt prompt cold, and of one sharing its first
   --shared tokens with it (prefix cache), alternated over fresh random prompts."""
@@ -214,7 +221,7 @@ def measure_ttft() -> dict:
   from mtpjax.engine.scheduler import Request, SlotScheduler
   model = mtpjax.load(embedded.DEMO_PACKAGE)
   engine = model.engine(native_mtp=True, slots=1, max_len=_MAX_LEN.value,
-                        prefill_buckets=(16, 32, 64, 128, 256), prefix_cache=4)
+                        prefill_buckets=_buckets(), prefix_cache=4)
   warm_up(engine)
   rng = np.random.default_rng(1)
   vocab = model.config.vocab_size
