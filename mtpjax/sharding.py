@@ -32,8 +32,9 @@ _SPLIT_DIM = {
     "gate_exps": 0, "up_exps": 0, "down_exps": 0,            # experts
     "embed": 0, "head": -1,                                   # vocabulary
 }
-# Per-head projections ([H, out, in], GGUF layout whether dense or quantized): split by head.
-_HEADS_FIRST = ("wk_b", "wv_b")
+# Roles whose `weight` is held in its GGUF layout, dense or quantized (MLA's per-head
+# [H, out, in] projections); every other module's `weight` is a Linear's, transposed when dense.
+_GGUF_LAYOUT_WEIGHTS = ("wk_b", "wv_b")
 
 
 def make_mesh(*, stages: int = 1, tensor: int | None = None, devices=None) -> Mesh:
@@ -67,7 +68,7 @@ def _quantized_split(path: tuple) -> int | None:
   split = _SPLIT_DIM.get(role(weight))
   if split is None:
     return None
-  if weight[-1] == "weight" and role(weight) not in _HEADS_FIRST:
+  if weight[-1] == "weight" and role(weight) not in _GGUF_LAYOUT_WEIGHTS:
     return 0 if split % 2 == 1 else 1  # a Linear: dense [in, out], quantized [out, in]
   return split % (3 if role(weight).endswith("_exps") else 2)
 
