@@ -1,8 +1,10 @@
 """Multi-token native MTP drafts: every draft window gives exactly the tokens of MTP off.
 
-On glm4moe, deepseek2 (MLA) and glm-dsa tiny models, greedy and sampled (temperature 0.8, top-p
-0.9), against the same model with MTP off: on one device and over a 2-stage pipeline, for
-windows k = 1..5 (fixed) and an adaptive window.
+On glm4moe, deepseek2 (MLA) and glm-dsa tiny models on one device, and glm4moe over a 2-stage
+pipeline, greedy and sampled (temperature 0.8, top-p 0.9), against the same model with MTP off,
+for windows k = 1..5 (fixed) and an adaptive window. The MLA archs' pipelines are
+mla_pipeline_test's (native-mtp-n1 against transformers): what a pipeline adds to a deeper
+window is the engine's, the same for every arch.
 The glm4moe model's NextN block copies the trunk (`mtp_copies_trunk`), so its chains are mostly
 accepted at every depth; the fixtures' random heads are mostly rejected, so both outcomes run
 through the caches. One engine per model and stage count serves every window, compiled by
@@ -73,9 +75,7 @@ class DraftWindowEquivalenceTest(parameterized.TestCase):
       ("glm4moe_one_device", "glm4moe", 1),
       ("deepseek2_one_device", "deepseek2", 1),
       ("glm_dsa_one_device", "glm-dsa", 1),
-      ("glm4moe_two_stages", "glm4moe", 2),
-      ("deepseek2_two_stages", "deepseek2", 2),
-      ("glm_dsa_two_stages", "glm-dsa", 2))
+      ("glm4moe_two_stages", "glm4moe", 2))
   def test_every_window_gives_the_tokens_of_mtp_off(self, arch, stages):
     model, expected = loaded(arch, stages)
     vocab = model.config.vocab_size

@@ -218,6 +218,17 @@ _LLAMA_BENCH_SAMPLE = """[
    "samples_ns": [ 96202759, 81360851 ], "samples_ts": [ 1330.52, 1573.24 ]}
 ]"""
 
+# Captured from `llama-bench -m demo.gguf -p 0 -n 4 -d 0,16 -t 1 -r 2 -o json` (the same build
+# and GGUF): a decode after a context of 16 tokens (`-d`, bench_context --llama_bench).
+_LLAMA_BENCH_DEPTH_SAMPLE = """[
+  {"build_commit": "0c1e570", "model_type": "glm4moe ?B Q8_0", "n_threads": 1, "type_k": "f16",
+   "n_prompt": 0, "n_gen": 4, "n_depth": 0, "avg_ns": 3740993, "avg_ts": 1425.072857,
+   "samples_ts": [ 2137.18, 712.967 ]},
+  {"build_commit": "0c1e570", "model_type": "glm4moe ?B Q8_0", "n_threads": 1, "type_k": "f16",
+   "n_prompt": 0, "n_gen": 4, "n_depth": 16, "avg_ns": 3293873, "avg_ts": 1873.014336,
+   "samples_ts": [ 2983.71, 762.321 ]}
+]"""
+
 # The end of `llama-speculative-simple ... --spec-type draft-mtp --spec-draft-n-max 3` (stderr,
 # llama.cpp 0c1e570, the demo joined into one Q8_0 GGUF); perf lines after it left out.
 _SPECULATIVE_SAMPLE = """0.00.103.274 I common_speculative_init_result: creating MTP draft context
@@ -248,6 +259,10 @@ class BenchVsLlamaCppTest(absltest.TestCase):
   def test_parses_llama_bench_json(self):
     self.assertEqual(llama_cpp.parse_llama_bench(_LLAMA_BENCH_SAMPLE),
                      {("pp512", 1): 3513.284089, ("tg128", 1): 1451.880693})
+
+  def test_parses_a_decode_after_a_context(self):
+    self.assertEqual(llama_cpp.parse_llama_bench(_LLAMA_BENCH_DEPTH_SAMPLE),
+                     {("tg4", 1): 1425.072857, ("tg4 @ d16", 1): 1873.014336})
 
   def test_gguf_bytes_per_token_by_hand(self):
     """glm4moe-tiny F32 (hidden 64, 4/2 heads x 32, 3 layers: 1 dense (ffn 128) + 2 MoE with

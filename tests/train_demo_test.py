@@ -24,7 +24,7 @@ from mtpjax.testing.corpus import held_out_prompts, split_corpus
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CORPUS_FILES, BATCH, SEQ_LEN, EVAL_BATCHES = 60, 8, 64, 2
 CARD_NEW_TOKENS = 8
-FLAGS = ["--steps=200", f"--batch={BATCH}", f"--seq_len={SEQ_LEN}", "--vocab=512", "--hidden=64",
+FLAGS = ["--steps=120", f"--batch={BATCH}", f"--seq_len={SEQ_LEN}", "--vocab=512", "--hidden=64",
          "--layers=2", "--experts=4", "--expert_ffn=32", f"--corpus_files={CORPUS_FILES}",
          f"--eval_batches={EVAL_BATCHES}", "--tensor_type=F32", "--lr=0.01",
          "--mtp_depth_weights=1,0.5", "--window_policy=adaptive:1:2:2", "--card_windows=1,2",

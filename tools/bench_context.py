@@ -9,12 +9,16 @@
   python -m tools.bench_context --modes=steps --source=/tmp/flash4.gguf --dtype=bfloat16 \
       --context=32768 --held=128,1024,4096,16384,32000 --steps=5     # a real-shape model
   python -m tools.bench_context --modes=ttft           # TTFT cold vs a cached 1,900 tokens
+  python -m tools.bench_context --modes=steps --held=128,1024 --context=32768 \
+      --llama_bench=/tmp/llama.cpp-0c1e570/llama-bench   # and llama.cpp on the same GGUF
 
 `start`: launches `python -m mtpjax.serve --config=configs/glm.py` twice on one fresh cache
 directory: the first start compiles everything, the second loads the compiled steps from the
 persistent compilation cache (`warm_start.py`).
 `steps`: decode step time at 128 ... 32K tokens held, blockwise attention vs reading the
-whole cache, the KV pool's bytes and the bytes of the pages the slot holds at each point.
+whole cache, the KV pool's bytes and the bytes of the pages the slot holds at each point; with
+--llama_bench, llama.cpp's decode step on the same GGUF after contexts of the same lengths
+(`llama-bench -d`), in the same rounds: the peer's own cost of the tokens held.
 `ttft`: time to first token of a 2,000-token prompt cold and with its first 1,900 tokens
 shared with an earlier prompt (prefix cache; one scheduler, whose engine state holds it).
 `stall`: a stream decodes while a prompt of --long_prompt tokens arrives; reports the longest
@@ -38,6 +42,7 @@ from absl import app, flags
 # bench_serve's --source (absl flags are global): here the model of the steps, e.g. a
 # real-shape one from tools/make_synthetic.py; empty: the demo.
 from tools.bench_serve import _SOURCE, READY
+from tools.llama_cpp import after_context, run_llama_bench
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -62,6 +67,12 @@ _KV_DTYPES = flags.DEFINE_list(
 _KV_PAGES = flags.DEFINE_list(
     "kv_page", ["16"], "rows per KV page (steps): the first for both reads, each further one "
     "a blockwise engine of its own, e.g. 16,64")
+_LLAMA_BENCH = flags.DEFINE_string(
+    "llama_bench", "", "steps: llama.cpp's llama-bench, run on the same GGUF (the demo and "
+    "packages joined into one) at each --held depth; empty: mtpjax only")
+_LLAMA_THREADS = flags.DEFINE_list("llama_threads", ["2"], "llama.cpp thread counts (steps)")
+_LLAMA_GEN = flags.DEFINE_integer("llama_gen", 32, "tokens llama-bench decodes after each depth "
+                                  "(steps): its step time is their mean")
 _SHARED = flags.DEFINE_integer("shared", 1900, "tokens the second prompt shares (ttft)")
 _ROUNDS = flags.DEFINE_integer("ttft_rounds", 3, "cold / cached pairs (ttft)")
 
@@ -179,8 +190,11 @@ def measure_steps() -> dict:
   for key in held_keys.values():
     out[key] = [0] * len(held)   # the pages the slot holds at each point, in bytes
   medians = {name: [[] for _ in held] for name in engines}
+  peer = _LlamaSteps(held) if _LLAMA_BENCH.value else None
   # Rounds over every point and engine in turn: a noisy machine slows every point alike.
   for _ in range(_STEP_ROUNDS.value):
+    if peer:
+      peer.round()
     for point, tokens in enumerate(held):
       for name, engine in engines.items():
         state = engine.init_state()
@@ -205,7 +219,43 @@ def measure_steps() -> dict:
   for name in held_keys:
     out[f"{name}_step_vs_first"] = [round(ms / out[f"{name}_step_ms"][0], 3)
                                     for ms in out[f"{name}_step_ms"]]
+  if peer:
+    out["llama_cpp"] = peer.report()
   return out
+
+
+class _LlamaSteps:
+  """llama.cpp's decode step after contexts of each held length, `llama-bench -p 0 -n G -d
+  held...` on the GGUF mtpjax loaded: the peer's figure for what the tokens held cost."""
+
+  def __init__(self, held: list[int]):
+    from mtpjax import embedded
+    from mtpjax.package.writer import join_gguf
+    self.held = held
+    source = _SOURCE.value or str(embedded.DEMO_PACKAGE)
+    self._tmp = tempfile.TemporaryDirectory(prefix="bench_context.")
+    self.gguf = (str(join_gguf(source, pathlib.Path(self._tmp.name) / "joined.gguf"))
+                 if pathlib.Path(source).is_dir() else source)
+    self.threads = [int(t) for t in _LLAMA_THREADS.value]
+    self.step_ms = {t: [[] for _ in held] for t in self.threads}
+
+  def round(self) -> None:
+    for t in self.threads:
+      rates = run_llama_bench(_LLAMA_BENCH.value, self.gguf, t, 0, _LLAMA_GEN.value, 2,
+                              depths=tuple(self.held))
+      for point, depth in enumerate(self.held):
+        test = after_context(f"tg{_LLAMA_GEN.value}", depth)
+        self.step_ms[t][point].append(1e3 / rates[(test, t)])
+
+  def report(self) -> dict:
+    self._tmp.cleanup()
+    out = {"gguf": self.gguf if self.gguf == (_SOURCE.value or None) else "(joined from source)",
+           "tg_tokens": _LLAMA_GEN.value}
+    for t, points in self.step_ms.items():
+      ms = [round(min(values), 3) for values in points]
+      out[f"step_ms_t{t}"] = ms
+      out[f"step_vs_first_t{t}"] = [round(m / ms[0], 3) for m in ms]
+    return out
 
 
 def _buckets() -> tuple[int, ...]:

@@ -13,7 +13,8 @@ import gguf
 
 
 def parse_llama_bench(text: str) -> dict[tuple[str, int], float]:
-  """`llama-bench -o json` output -> {("pp512" | "tg128", threads): mean tokens/s}."""
+  """`llama-bench -o json` output -> {("pp512" | "tg128", threads): mean tokens/s}; a test
+  run after a context of d tokens (`-d`) is named as llama-bench prints it, "tg32 @ d1024"."""
   out = {}
   for row in json.loads(text):
     if row["n_prompt"] and not row["n_gen"]:
@@ -22,8 +23,14 @@ def parse_llama_bench(text: str) -> dict[tuple[str, int], float]:
       test = f"tg{row['n_gen']}"
     else:
       test = f"pp{row['n_prompt']}+tg{row['n_gen']}"
-    out[(test, int(row["n_threads"]))] = float(row["avg_ts"])
+    out[(after_context(test, row.get("n_depth", 0)), int(row["n_threads"]))] = float(
+        row["avg_ts"])
   return out
+
+
+def after_context(test: str, depth: int) -> str:
+  """llama-bench's name of `test` run after a context of `depth` tokens ("tg32 @ d1024")."""
+  return f"{test} @ d{depth}" if depth else test
 
 
 def run(binary: str, *args: str, stream: str = "stdout") -> str:
@@ -55,10 +62,12 @@ def parse_speculative(log: str) -> dict[str, int]:
 
 
 def run_llama_bench(llama_bench: str, gguf_path: str, threads: int, prompt: int, gen: int,
-                    reps: int) -> dict[tuple[str, int], float]:
-  """`llama-bench` pp{prompt} and tg{gen} at `threads` threads: {(test, threads): tokens/s}."""
+                    reps: int, depths: tuple[int, ...] = (0,)) -> dict[tuple[str, int], float]:
+  """`llama-bench` pp{prompt} and tg{gen} at `threads` threads, each after a context of each of
+  `depths` tokens: {(test, threads): tokens/s} (`parse_llama_bench`'s names)."""
   return parse_llama_bench(run(llama_bench, "-m", gguf_path, "-p", str(prompt), "-n", str(gen),
-                               "-t", str(threads), "-r", str(reps), "-o", "json"))
+                               "-d", ",".join(map(str, depths)), "-t", str(threads),
+                               "-r", str(reps), "-o", "json"))
 
 
 def gguf_bytes_per_token(path: str) -> int:
