@@ -44,13 +44,13 @@ def _release_compiled_programs(request):
   gc.collect()
 
 
-# The longest files (`pytest --durations=60`, Session 15), longest first. `--dist loadfile`
+# The longest files (`pytest --durations=60`, Session 19), longest first. `--dist loadfile`
 # hands files to the two workers in collection order; starting these first keeps one long file
 # from running alone at the end while the other worker idles.
-_LONGEST_FIRST = ("draft_window_test.py", "notebooks_test.py", "server_demo_test.py",
-                  "server_context_test.py", "host_drafting_test.py", "train_demo_test.py",
-                  "demo_model_test.py", "server_lifecycle_test.py", "bench_context_test.py",
-                  "server_test.py")
+_LONGEST_FIRST = ("notebooks_test.py", "host_drafting_test.py", "draft_window_test.py",
+                  "server_demo_test.py", "server_context_test.py", "server_lifecycle_test.py",
+                  "demo_model_test.py", "paged_kv_test.py", "server_test.py",
+                  "train_demo_test.py")
 
 
 def pytest_collection_modifyitems(items):

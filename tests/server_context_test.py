@@ -106,7 +106,8 @@ class LongContextTest(_DemoServerTest):
     servers' context serves them all (one compile)."""
     import mtpjax  # jax loads here, while the servers compile
     from mtpjax.engine.scheduler import Request, SlotScheduler
-    engine = mtpjax.load(str(embedded.DEMO_PACKAGE)).engine(native_mtp=False, max_len=8192)
+    engine = mtpjax.load(str(embedded.DEMO_PACKAGE)).engine(
+        native_mtp=False, max_len=8192, slots=1, prefill_buckets=(32, 256))
     tokenizer = cls.tokenizer
 
     def greedy(ids: list[int], stops) -> list[int]:

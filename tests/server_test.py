@@ -50,11 +50,8 @@ _STARTUP_TIMEOUT_S = 600
 class ServerProcess:
   """`python -m mtpjax.serve` with its output in a log file (a pipe could fill and block it)."""
 
-  def __init__(self, cache_dir: str, log_path: pathlib.Path, *flags: str, tiny: bool = True,
-               optimized: bool = False):
-    """`tiny`: serve the generated tiny model; otherwise the config's own default model.
-    `optimized`: compile at XLA's default optimization, as users run it, not the tests' fast
-    compiles."""
+  def __init__(self, cache_dir: str, log_path: pathlib.Path, *flags: str, tiny: bool = True):
+    """`tiny`: serve the generated tiny model; otherwise the config's own default model."""
     self.log_path = log_path
     self._log = open(log_path, "wb")
     xla_flags.share_with_server(warm_start.compilation_cache_dir(cache_dir))
@@ -64,8 +61,7 @@ class ServerProcess:
         [sys.executable, "-m", "mtpjax.serve", "--config=configs/glm.py", *model_flags,
          f"--config.cache_dir={cache_dir}", "--config.server.port=0", *flags],
         cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-        env={**(xla_flags.production_env(os.environ) if optimized else os.environ),
-             "PYTHONPATH": str(REPO)})
+        env={**os.environ, "PYTHONPATH": str(REPO)})
     self.url = None
 
   def log(self) -> str:
