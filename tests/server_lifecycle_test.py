@@ -128,9 +128,8 @@ class ApiKeyAndDeadlineTest(absltest.TestCase):
 
 
 class GracefulShutdownTest(absltest.TestCase):
-  """SIGTERM with 16 streams in flight on 2 slots: every stream ends cleanly, exit code 0. The
-  server's engine is ApiKeyAndDeadlineTest's (2 slots at 8192), so its programs come from the
-  run's compilation cache."""
+  """SIGTERM with 16 streams in flight on 2 slots: every stream ends cleanly, exit code 0 (2
+  slots, not 4: fewer step shapes to compile before the server is ready)."""
 
   SHUTDOWN_S = 3.0
 

@@ -42,7 +42,7 @@ from absl import app, flags
 # bench_serve's --source (absl flags are global): here the model of the steps, e.g. a
 # real-shape one from tools/make_synthetic.py; empty: the demo.
 from tools.bench_serve import _SOURCE, READY
-from tools.llama_cpp import after_context, run_llama_bench
+from tools.llama_cpp import after_context, one_gguf, run_llama_bench
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -190,7 +190,8 @@ def measure_steps() -> dict:
   for key in held_keys.values():
     out[key] = [0] * len(held)   # the pages the slot holds at each point, in bytes
   medians = {name: [[] for _ in held] for name in engines}
-  peer = _LlamaSteps(held) if _LLAMA_BENCH.value else None
+  peer = (_LlamaSteps(held, _SOURCE.value or str(embedded.DEMO_PACKAGE))
+          if _LLAMA_BENCH.value else None)
   # Rounds over every point and engine in turn: a noisy machine slows every point alike.
   for _ in range(_STEP_ROUNDS.value):
     if peer:
@@ -228,14 +229,10 @@ class _LlamaSteps:
   """llama.cpp's decode step after contexts of each held length, `llama-bench -p 0 -n G -d
   held...` on the GGUF mtpjax loaded: the peer's figure for what the tokens held cost."""
 
-  def __init__(self, held: list[int]):
-    from mtpjax import embedded
-    from mtpjax.package.writer import join_gguf
-    self.held = held
-    source = _SOURCE.value or str(embedded.DEMO_PACKAGE)
-    self._tmp = tempfile.TemporaryDirectory(prefix="bench_context.")
-    self.gguf = (str(join_gguf(source, pathlib.Path(self._tmp.name) / "joined.gguf"))
-                 if pathlib.Path(source).is_dir() else source)
+  def __init__(self, held: list[int], source: str):
+    self.held, self.source = held, source
+    self._joined = tempfile.TemporaryDirectory(prefix="bench_context.")   # a package's GGUF
+    self.gguf = one_gguf(source, self._joined.name)
     self.threads = [int(t) for t in _LLAMA_THREADS.value]
     self.step_ms = {t: [[] for _ in held] for t in self.threads}
 
@@ -248,8 +245,9 @@ class _LlamaSteps:
         self.step_ms[t][point].append(1e3 / rates[(test, t)])
 
   def report(self) -> dict:
-    self._tmp.cleanup()
-    out = {"gguf": self.gguf if self.gguf == (_SOURCE.value or None) else "(joined from source)",
+    """The figures, once the rounds are done; a joined GGUF is removed."""
+    self._joined.cleanup()
+    out = {"gguf": self.gguf if self.gguf == self.source else "(joined from source)",
            "tg_tokens": _LLAMA_GEN.value}
     for t, points in self.step_ms.items():
       ms = [round(min(values), 3) for values in points]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import tempfile
 import time
 
@@ -34,8 +33,7 @@ from mtpjax.engine.contract import pow2_bucket, warm_up
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.engine.scheduler import Request
 from mtpjax.models.traffic import weight_mb_per_step
-from mtpjax.package.writer import join_gguf
-from tools.llama_cpp import gguf_bytes_per_token, run_llama_bench
+from tools.llama_cpp import gguf_bytes_per_token, one_gguf, run_llama_bench
 # bench_decode's decode timing, and its --rounds, --dtype, --weights and --seed flags (absl
 # flags are global: this tool reads them rather than defining its own of the same names).
 from tools.bench_decode import _DTYPE, _ROUNDS, _SEED, _WEIGHTS, _step_ms, _timed_run
@@ -73,9 +71,7 @@ def main(argv):
   source = _GGUF.value or str(DEMO_PACKAGE)
   load_avg = os.getloadavg()
   with tempfile.TemporaryDirectory(prefix="bench_vs_llamacpp.") as tmp:
-    gguf_path = source
-    if pathlib.Path(source).is_dir():
-      gguf_path = str(join_gguf(source, pathlib.Path(tmp) / "joined.gguf"))
+    gguf_path = one_gguf(source, tmp)
     start = time.perf_counter()
     model = _load(source)
     rng = np.random.default_rng(_SEED.value)

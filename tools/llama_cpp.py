@@ -11,6 +11,8 @@ import subprocess
 
 import gguf
 
+from mtpjax.package.writer import join_gguf
+
 
 def parse_llama_bench(text: str) -> dict[tuple[str, int], float]:
   """`llama-bench -o json` output -> {("pp512" | "tg128", threads): mean tokens/s}; a test
@@ -68,6 +70,14 @@ def run_llama_bench(llama_bench: str, gguf_path: str, threads: int, prompt: int,
   return parse_llama_bench(run(llama_bench, "-m", gguf_path, "-p", str(prompt), "-n", str(gen),
                                "-d", ",".join(map(str, depths)), "-t", str(threads),
                                "-r", str(reps), "-o", "json"))
+
+
+def one_gguf(source: str, folder: str) -> str:
+  """`source` as the one GGUF file llama.cpp reads: a GGUF file as it is, a layer package
+  joined into `folder`."""
+  if not pathlib.Path(source).is_dir():
+    return source
+  return str(join_gguf(source, pathlib.Path(folder) / "joined.gguf"))
 
 
 def gguf_bytes_per_token(path: str) -> int:
