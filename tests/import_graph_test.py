@@ -25,6 +25,7 @@ LAYERS = (
     ("models", ("mtpjax.models",)),
     ("formats", ("mtpjax.gguf", "mtpjax.package", "mtpjax.speculative", "mtpjax.draft_window",
                  "mtpjax.runtime_options", "mtpjax.telemetry", "mtpjax.errors")),
+    ("kernels", ("mtpjax.kernels",)),
 )
 # Modules that reach models only through the registry and the interface.
 ARCHITECTURE_FREE = ("mtpjax.engine", "mtpjax.api", "mtpjax.loading", "mtpjax.checkpoint",

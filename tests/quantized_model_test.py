@@ -35,11 +35,13 @@ def _gguf_tensor_bytes(path) -> int:
 
 class QuantizedFixtureTest(parameterized.TestCase):
 
-  @parameterized.parameters("Q8_0", "Q4_K_M")
-  def test_agrees_with_llama_cpp_within_the_byte_budget(self, qtype):
+  @parameterized.product(qtype=("Q8_0", "Q4_K_M"), int8_activations=(False, True))
+  def test_agrees_with_llama_cpp_within_the_byte_budget(self, qtype, int8_activations):
+    # int8_activations: the rows are rounded to int8 per block, as llama.cpp's CPU backend
+    # does, so the agreement holds there too (on XLA:CPU: the native kernel's integer path).
     path = FIXTURE / f"glm4moe_h64-{qtype}.gguf"
     llama = np.load(FIXTURE / f"llama_{qtype}.npz")
-    model = mtpjax.load(path, weights="quantized")
+    model = mtpjax.load(path, weights="quantized", int8_activations=int8_activations)
     logits, mtp = model.logits(IDS), model.mtp_logits(IDS)
     self.assertTrue(model.mtp_head_loaded)
     self.assertGreaterEqual(_agreement(logits, llama["logits"]), 0.95)
@@ -55,8 +57,10 @@ class QuantizedFixtureTest(parameterized.TestCase):
     self.assertEqual(set(by_type), {"float32", "Q8_0"} if qtype == "Q8_0"
                      else {"float32", "Q8_0", "Q5_0", "Q5_1"})
 
-  def test_mtp_on_equals_off_greedy_and_sampled(self):
-    model = mtpjax.load(FIXTURE / "glm4moe_h64-Q4_K_M.gguf", weights="quantized")
+  @parameterized.parameters(False, True)
+  def test_mtp_on_equals_off_greedy_and_sampled(self, int8_activations):
+    model = mtpjax.load(FIXTURE / "glm4moe_h64-Q4_K_M.gguf", weights="quantized",
+                        int8_activations=int8_activations)
     prompt = IDS[:12]
     for sampling in (dict(temperature=0.0), dict(temperature=0.9, top_k=40, seed=7)):
       off = model.generate(prompt, max_new_tokens=12, speculative="disabled", **sampling)

@@ -2,8 +2,8 @@
 
 Each round runs llama.cpp's `llama-bench` (`tg128` and `pp512`, at each --threads value) and
 then mtpjax (MTP off, batch 1: the mean decode step over --decode_tokens tokens, and one
-prefill of a --prefill_tokens bucket), so that drift of this shared machine hits both sides
-alike. mtpjax runs on XLA's CPU client with its default threads (every core).
+prefill of a --prefill_tokens bucket) in each --activations mode, so that drift of this shared
+machine hits every side alike. mtpjax runs on XLA's CPU client with its default threads (every core).
 
 Reported beside the ratios: the weight bytes each side reads per decoded token. mtpjax: the
 parameter bytes of a plain decode step (`models/traffic.py`: routed experts counted at top-k of
@@ -46,13 +46,21 @@ _THREADS = flags.DEFINE_list("threads", ["1", "2"], "llama.cpp thread counts")
 _LLAMA_REPS = flags.DEFINE_integer("llama_reps", 2, "llama-bench -r per round")
 _DECODE_TOKENS = flags.DEFINE_integer("decode_tokens", 128, "tokens decoded (llama.cpp tg128)")
 _PREFILL_TOKENS = flags.DEFINE_integer("prefill_tokens", 512, "prefill bucket (llama.cpp pp512)")
+_ACTIVATIONS = flags.DEFINE_list(
+    "activations", ["float32", "int8"],
+    "mtpjax's activation modes, each measured in every round: float32 (rows multiply the "
+    "weights' exact values in float), int8 (mtpjax.load(int8_activations=True): rows rounded "
+    "to int8 per block and multiplied as integers, as llama.cpp does)")
 
 _REPORTED_FLAGS = (_GGUF, _LLAMA_BENCH, _THREADS, _ROUNDS, _LLAMA_REPS, _DECODE_TOKENS,
-                   _PREFILL_TOKENS, _DTYPE, _WEIGHTS, _SEED)
+                   _PREFILL_TOKENS, _DTYPE, _WEIGHTS, _ACTIVATIONS, _SEED)
 
 
-def _load(source: str):
-  return mtpjax.load(source, dtype=_DTYPE.value, weights=_WEIGHTS.value)
+def _load(source: str, activations: str):
+  if activations not in ("float32", "int8"):
+    raise app.UsageError(f"--activations takes float32 and int8, not {activations!r}")
+  return mtpjax.load(source, dtype=_DTYPE.value, weights=_WEIGHTS.value,
+                     int8_activations=activations == "int8")
 
 
 def _mtpjax_round(engine, decode_request: Request, prefill_request: Request) -> tuple[float, float]:
@@ -73,39 +81,45 @@ def main(argv):
   with tempfile.TemporaryDirectory(prefix="bench_vs_llamacpp.") as tmp:
     gguf_path = one_gguf(source, tmp)
     start = time.perf_counter()
-    model = _load(source)
+    modes = list(dict.fromkeys(_ACTIVATIONS.value))
+    models = {mode: _load(source, mode) for mode in modes}
+    model = models[modes[0]]
     rng = np.random.default_rng(_SEED.value)
     vocab = model.config.vocab_size
     # The prefill bucket computes prompt + 1 rows (the first sampled token's row).
     prefill_prompt = rng.integers(0, vocab, _PREFILL_TOKENS.value - 1).astype(np.int32)
     decode_prompt = rng.integers(0, vocab, 8).astype(np.int32)
     greedy = SamplerParams(0.0, 0, 1.0, seed=_SEED.value)
-    engine = model.engine(native_mtp=False, slots=1,
-                          max_len=max(_PREFILL_TOKENS.value, 8 + _DECODE_TOKENS.value + 1),
-                          prefill_buckets=(pow2_bucket(9), _PREFILL_TOKENS.value))
-    warm_up(engine)
+    engines = {}
+    for mode, loaded in models.items():
+      engines[mode] = loaded.engine(
+          native_mtp=False, slots=1, max_len=max(_PREFILL_TOKENS.value, 8 + _DECODE_TOKENS.value + 1),
+          prefill_buckets=(pow2_bucket(9), _PREFILL_TOKENS.value))
+      warm_up(engines[mode])
     load_s = time.perf_counter() - start
     decode_request = Request(prompt=decode_prompt, max_new_tokens=_DECODE_TOKENS.value + 1,
                              sampler=greedy)
     prefill_request = Request(prompt=prefill_prompt, max_new_tokens=1, sampler=greedy)
-    _mtpjax_round(engine, decode_request, prefill_request)   # untimed: device caches
+    for engine in engines.values():
+      _mtpjax_round(engine, decode_request, prefill_request)   # untimed: device caches
     llama: dict[tuple[str, int], list[float]] = {}
-    ours: dict[str, list[float]] = {"decode": [], "prefill": []}
+    ours: dict[str, list[float]] = {}
     for _ in range(_ROUNDS.value):
       for t in threads:
         for key, rate in run_llama_bench(_LLAMA_BENCH.value, gguf_path, t,
                                          _PREFILL_TOKENS.value, _DECODE_TOKENS.value,
                                          _LLAMA_REPS.value).items():
           llama.setdefault(key, []).append(rate)
-      decode, prefill = _mtpjax_round(engine, decode_request, prefill_request)
-      ours["decode"].append(decode)
-      ours["prefill"].append(prefill)
+      for mode, engine in engines.items():
+        decode, prefill = _mtpjax_round(engine, decode_request, prefill_request)
+        ours.setdefault(f"decode_{mode}", []).append(decode)
+        ours.setdefault(f"prefill_{mode}", []).append(prefill)
     llama_bytes = gguf_bytes_per_token(gguf_path)
 
   mean = lambda xs: float(np.mean(xs))
   tg, pp = f"tg{_DECODE_TOKENS.value}", f"pp{_PREFILL_TOKENS.value}"
   llama_rates = {f"{test}_t{t}": mean(v) for (test, t), v in sorted(llama.items())}
-  decode, prefill = mean(ours["decode"]), mean(ours["prefill"])
+  rates = {name: mean(values) for name, values in ours.items()}
   mtpjax_mb = weight_mb_per_step(model.weights(with_mtp=False)[1], model.config, 1)["plain"]
   device = jax.devices()[0]
   print(json.dumps({
@@ -114,11 +128,10 @@ def main(argv):
       "device": f"{device.platform}:{device.device_kind}", "cpu_count": os.cpu_count(),
       "load_avg_at_start": [round(x, 2) for x in load_avg],
       "llama_cpp_tok_s": llama_rates,
-      "mtpjax_tok_s": {"decode": decode, "prefill": prefill,
-                       "prefill_prompt_tokens": int(prefill_prompt.size)},
-      "ratios": {**{f"decode_vs_{tg}_t{t}": decode / llama_rates[f"{tg}_t{t}"] for t in threads},
-                 **{f"prefill_vs_{pp}_t{t}": prefill / llama_rates[f"{pp}_t{t}"]
-                    for t in threads}},
+      "mtpjax_tok_s": {**rates, "prefill_prompt_tokens": int(prefill_prompt.size)},
+      "ratios": {f"{name}_vs_{tg if name.startswith('decode') else pp}_t{t}":
+                     rate / llama_rates[f"{tg if name.startswith('decode') else pp}_t{t}"]
+                 for name, rate in rates.items() for t in threads},
       "weight_mb_per_token": {
           "mtpjax": mtpjax_mb, "llama_cpp": llama_bytes / 1e6,
           "note": "MoE: active experts only (top-k of E) on both sides; embeddings and the "

@@ -47,10 +47,32 @@ def _one_pair(x_row, weight, e):
   return fields["w"].astype(x_row.dtype) @ x_row
 
 
+def _native_pairs(x, expert_ids, gate, up, down):
+  """XLA:CPU with quantized experts: each of the three contractions is one native call over
+  every pair (row r against expert e), each selected expert's blocks unpacked once."""
+  order, experts, rows = _sorted_pairs(expert_ids)
+  xs = x[rows]
+
+  def project(h, weight):
+    return quantized.native_contract(h, experts, weight.type_name, weight.fields(),
+                                     weight.int8_activations).astype(x.dtype)
+
+  act = jax.nn.silu(project(xs, gate)) * project(xs, up)
+  return _unsort(project(act, down), order, *expert_ids.shape)
+
+
+def _takes_native(x, expert_ids, *weights) -> bool:
+  return (jax.default_backend() == "cpu"
+          and all(isinstance(w, quantized.QuantizedTensor) for w in weights)
+          and all(quantized._native_rows(w.type_name, expert_ids.size) for w in weights))
+
+
 def pairwise(x, expert_ids, gate, up, down):
   """A loop over the pairs sorted by expert: each iteration reads one expert by id (a repeat of
   the previous pair's expert is still in cache) and contracts one row against its integers,
   so no per-pair weight copies or broadcast rows are materialized."""
+  if _takes_native(x, expert_ids, gate, up, down):
+    return _native_pairs(x, expert_ids, gate, up, down)
   order, experts, rows = _sorted_pairs(expert_ids)
 
   def one(pair):

@@ -16,11 +16,13 @@ Contraction (`matmul`, `contract`), by backend:
 - accelerators: up to FUSED_ROWS rows (decode, verify) multiply and reduce against the values
   computed from the integers inside one XLA loop, so no dense weight is materialized; more rows
   (prefill) dequantize the matrix once and use the backend's GEMM;
-- XLA:CPU: a tile of output rows at a time (2 MB of float32 values) is dequantized (in cache)
-  and contracted by a dot (`tiled_contract`), for every row count. The fused reduction
-  vectorizes badly there (0.5-2 G elements/s on 2 cores) and a whole-matrix dequantize writes
-  the float32 matrix to memory (1.3 GB for a 155K-row vocabulary head) before the GEMM reads
-  it back.
+- XLA:CPU: up to NATIVE_ROWS rows go to the native kernel (`kernels/quant_matvec.cc`), which
+  unpacks each block once into the same float32 values and multiplies it into every row
+  (`native_contract`); more rows, or where the kernel cannot be built, a tile of output rows
+  at a time (2 MB of float32 values) is dequantized (in cache) and contracted by a dot
+  (`tiled_contract`). XLA's own fused reduction vectorizes badly there (0.5-2 G elements/s on
+  2 cores) and a whole-matrix dequantize writes the float32 matrix to memory (1.3 GB for a
+  155K-row vocabulary head) before the GEMM reads it back.
 """
 
 from __future__ import annotations
@@ -32,29 +34,39 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtpjax.gguf import quant_blocks
+from mtpjax.kernels import native
 
 F32 = jnp.float32
 # On accelerators, row counts up to this contract in a fused loop against the integers (it
 # reads 4-8x fewer bytes than a dense weight); more rows dequantize once and run a GEMM.
 FUSED_ROWS = 16
+# On XLA:CPU, row counts up to this (decode and verify rows of every slot, or rows x heads)
+# contract in the native kernel, which unpacks each block once for all of them.
+NATIVE_ROWS = native.MAX_ROWS
 # Float32 values per tile of `tiled_contract` (at most): 2 MB, about a core's L2. A matrix
 # that small is one tile: a loop over tiles of a few hundred rows costs more than it saves.
 TILE_ELEMENTS = 1 << 19
 
 
 class QuantizedTensor(nnx.Module):
-  """One GGUF tensor of `shape` (numpy layout) kept as `type_name` blocks (static metadata)."""
+  """One GGUF tensor of `shape` (numpy layout) kept as `type_name` blocks (static metadata).
 
-  def __init__(self, type_name: str, shape: tuple[int, ...]):
+  `int8_activations`: where the native kernel contracts it (XLA:CPU), rows are rounded to int8
+  per block and multiplied as integers, as llama.cpp does (see `native.quant_matvec`); the
+  stored values stay exact either way."""
+
+  def __init__(self, type_name: str, shape: tuple[int, ...], int8_activations: bool = False):
     self.type_name = type_name
     self.shape = tuple(int(d) for d in shape)
+    self.int8_activations = bool(int8_activations)
     for name, (field_shape, dtype) in quant_blocks.field_specs(type_name, shape).items():
       setattr(self, name, nnx.Param(jnp.zeros(field_shape, dtype)))
 
   @classmethod
-  def from_raw(cls, type_name: str, raw, shape: tuple[int, ...]) -> "QuantizedTensor":
+  def from_raw(cls, type_name: str, raw, shape: tuple[int, ...],
+               int8_activations: bool = False) -> "QuantizedTensor":
     """A tensor holding the GGUF blocks `raw` (bytes of a `shape` tensor, in file order)."""
-    tensor = cls(type_name, shape)
+    tensor = cls(type_name, shape, int8_activations)
     for name, array in quant_blocks.unpack(type_name, raw, shape).items():
       getattr(tensor, name)[...] = jnp.asarray(array)
     return tensor
@@ -75,6 +87,17 @@ class QuantizedTensor(nnx.Module):
 
   def gguf_bytes(self) -> int:
     return quant_blocks.gguf_nbytes(self.type_name, self.shape)
+
+
+def with_int8_activations(graphdef: nnx.GraphDef, state: nnx.State
+                          ) -> tuple[nnx.GraphDef, nnx.State]:
+  """The same weights with every `QuantizedTensor` contracting int8 rows (a static setting, so
+  the graphdef changes and the arrays are shared)."""
+  model = nnx.merge(graphdef, state)
+  for _, node in nnx.iter_graph(model):
+    if isinstance(node, QuantizedTensor):
+      node.int8_activations = True
+  return nnx.split(model)
 
 
 def _f32(a):
@@ -182,13 +205,17 @@ def rows(weight, ids: jax.Array) -> jax.Array:
 
 def matmul(x: jax.Array, weight: QuantizedTensor) -> jax.Array:
   """`x [..., in]` times a quantized `[out, in]` weight, transposed: `[..., out]` in x's dtype."""
-  return contract(x, weight.type_name, weight.fields())
+  return contract(x, weight.type_name, weight.fields(), weight.int8_activations)
 
 
-def contract(x: jax.Array, type_name: str, fields: dict[str, jax.Array]) -> jax.Array:
+def contract(x: jax.Array, type_name: str, fields: dict[str, jax.Array],
+             int8_activations: bool = False) -> jax.Array:
   """`x [..., in]` against one quantized `[out, in]` matrix's fields: `[..., out]` in x's dtype,
   read the way this backend reads the integers fastest (see the module docstring)."""
   if jax.default_backend() == "cpu":
+    if _native_rows(type_name, math.prod(x.shape[:-1])):
+      y = native_contract(x.reshape(-1, x.shape[-1]), None, type_name, fields, int8_activations)
+      return y.reshape(x.shape[:-1] + (-1,)).astype(x.dtype)
     tile = _tile_rows(fields["d"].shape[0], x.shape[-1])
     if tile:
       return tiled_contract(x, type_name, fields, tile)
@@ -197,7 +224,8 @@ def contract(x: jax.Array, type_name: str, fields: dict[str, jax.Array]) -> jax.
   return jnp.einsum("...i,oi->...o", x, dequantize_fields(type_name, fields).astype(x.dtype))
 
 
-def contract_heads(x: jax.Array, type_name: str, fields: dict[str, jax.Array]) -> jax.Array:
+def contract_heads(x: jax.Array, type_name: str, fields: dict[str, jax.Array],
+                   int8_activations: bool = False) -> jax.Array:
   """`x [..., H, in]` against quantized per-head `[H, out, in]` fields: `[..., H, out]` float32.
   Accelerators read few rows in the fused loop (the heads broadcast like gathered experts);
   more rows, and XLA:CPU, contract the exact float32 values of all heads at once (on XLA:CPU a
@@ -205,7 +233,29 @@ def contract_heads(x: jax.Array, type_name: str, fields: dict[str, jax.Array]) -
   x = x.astype(F32)
   if jax.default_backend() != "cpu" and math.prod(x.shape[:-2]) <= FUSED_ROWS:
     return fused_contract(x, type_name, fields)
+  heads = x.shape[-2]
+  if jax.default_backend() == "cpu" and _native_rows(type_name, math.prod(x.shape[:-1])):
+    rows = x.reshape(-1, x.shape[-1])
+    ids = jnp.tile(jnp.arange(heads, dtype=jnp.int32), rows.shape[0] // heads)
+    return native_contract(rows, ids, type_name, fields,
+                           int8_activations).reshape(x.shape[:-1] + (-1,))
   return jnp.einsum("...hi,hoi->...ho", x, dequantize_fields(type_name, fields))
+
+
+def _native_rows(type_name: str, rows: int) -> bool:
+  """Whether `rows` rows of `type_name` take the native kernel (decided at trace time)."""
+  return 0 < rows <= NATIVE_ROWS and type_name in native.TYPE_NAMES and native.available()
+
+
+def native_contract(x: jax.Array, ids: jax.Array | None, type_name: str,
+                    fields: dict[str, jax.Array], int8_activations: bool = False) -> jax.Array:
+  """Rows `x [R, in]` against quantized fields `[out, in]` (ids None) or `[E, out, in]`, row r
+  against matrix `ids[r]` (a head, an expert): `[R, out]` float32, from the native kernel."""
+  ordered = [fields[name] for name in quant_blocks.field_specs(type_name, (1, x.shape[-1]))]
+  if ids is None:
+    ordered = [a[None] for a in ordered]
+    ids = jnp.zeros((x.shape[0],), jnp.int32)
+  return native.quant_matvec(x, ids, type_name, ordered, int8_activations)
 
 
 def _tile_rows(out: int, width: int) -> int:

@@ -1,0 +1,1 @@
+"""Native kernels behind the model's seams (see native.py)."""

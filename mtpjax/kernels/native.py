@@ -1,0 +1,122 @@
+"""Native CPU kernels, compiled once per machine and registered with XLA as FFI targets.
+
+`quant_matvec.cc` contracts a few rows against GGUF-quantized matrices reading each block's
+integers once (see its header). It is built on first use with the C++ compiler (`$CXX`, else
+`g++`) for this CPU (`-march=native`) against the FFI headers jaxlib ships, into
+`$MTPJAX_CACHE_DIR/native` (default `~/.cache/mtpjax/native`), keyed by the source, the flags,
+jaxlib's version and the CPU, so later processes only load it. Where no compiler works, or
+`MTPJAX_NATIVE=0`, `available()` is False and the callers keep their XLA paths (logged once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+_SOURCE = pathlib.Path(__file__).with_name("quant_matvec.cc")
+_TARGET = "mtpjax_quant_matvec"
+_FLAGS = ("-O2", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+# GGUF type names in the kernel's TypeCode order.
+TYPE_NAMES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# Rows one call takes (the kernel's kMaxRows).
+MAX_ROWS = 64
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def cache_dir() -> pathlib.Path:
+  root = os.environ.get("MTPJAX_CACHE_DIR") or pathlib.Path.home() / ".cache" / "mtpjax"
+  return pathlib.Path(root) / "native"
+
+
+def _cpu_key() -> str:
+  """The CPU the library is built for (-march=native): its model and feature flags."""
+  try:
+    info = pathlib.Path("/proc/cpuinfo").read_text()
+    lines = [l for l in info.splitlines() if l.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(lines)))
+  except OSError:
+    return platform.processor()
+
+
+def library_path() -> pathlib.Path:
+  key = hashlib.sha256("\0".join(
+      (_SOURCE.read_text(), " ".join(_FLAGS), jaxlib.__version__, platform.machine(),
+       _cpu_key())).encode()).hexdigest()[:16]
+  return cache_dir() / f"quant_matvec-{key}.so"
+
+
+def _compile(out: pathlib.Path) -> None:
+  """Builds the library into a temporary file beside `out`, then renames it into place (two
+  processes building at once each write their own file; the last rename wins, same bytes)."""
+  compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+  if not compiler:
+    raise RuntimeError("no C++ compiler (set CXX or install g++)")
+  out.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+  os.close(fd)
+  try:
+    subprocess.run([compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp],
+                   check=True, capture_output=True, text=True)
+    os.replace(tmp, out)
+  except subprocess.CalledProcessError as e:
+    raise RuntimeError(f"{compiler} failed on {_SOURCE}:\n{e.stderr[-2000:]}") from e
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+
+
+def available() -> bool:
+  """Whether the native kernels are built, loaded and registered (building them if needed)."""
+  with _lock:
+    if "ok" not in _state:
+      _state["ok"] = _load()
+    return bool(_state["ok"])
+
+
+def _load() -> bool:
+  if os.environ.get("MTPJAX_NATIVE", "1") == "0":
+    logging.info("native CPU kernels off (MTPJAX_NATIVE=0)")
+    return False
+  path = library_path()
+  try:
+    if not path.exists():
+      _compile(path)
+    library = ctypes.CDLL(str(path))
+    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.MtpjaxQuantMatvec),
+                                platform="cpu")
+  except (OSError, RuntimeError, AttributeError) as e:
+    logging.warning("native CPU kernels unavailable, using XLA's paths: %s", e)
+    return False
+  _state["library"] = library     # keeps the handler's code loaded
+  return True
+
+
+def quant_matvec(x: jax.Array, ids: jax.Array, type_name: str, fields: list[jax.Array],
+                 int8_activations: bool = False) -> jax.Array:
+  """Rows `x [R, K]` (R <= MAX_ROWS) against quantized matrices: row r against matrix
+  `ids[r]` of fields shaped `[E, N, nb, ...]` (`quant_blocks.field_specs` order): `[R, N]`
+  float32. `int8_activations`: each row of x rounded per 32 values to int8 and a float32
+  scale, as llama.cpp multiplies (about 4x less arithmetic; the weights stay exact, results
+  move by the rounding of x); Q2_K / Q3_K keep float32 rows. Only where `available()`."""
+  if not available():
+    raise RuntimeError("native CPU kernels are not available (see the log)")
+  out = jax.ShapeDtypeStruct((x.shape[0], fields[0].shape[1]), jnp.float32)
+  call = jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")
+  return call(x.astype(jnp.float32), ids.astype(jnp.int32), *fields,
+              type_code=np.int32(TYPE_NAMES.index(type_name)),
+              int8_x=np.int32(bool(int8_activations)))

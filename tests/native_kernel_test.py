@@ -1,0 +1,148 @@
+"""The native CPU kernel (`kernels/quant_matvec.cc`) against gguf-py and numpy references.
+
+References: `gguf.quants.dequantize` of random valid blocks (the exact values, picked out by unit
+rows), float64 numpy products of those values, the rounding bound of int8 rows written out here,
+and rows that int8 holds exactly. The build falls back to XLA's paths when it cannot run
+(checked in fresh processes).
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+from gguf import quants
+from gguf.constants import GGMLQuantizationType
+
+from mtpjax.gguf import quant_blocks
+from mtpjax.kernels import native
+from mtpjax.models import quantized
+from mtpjax.testing.random_blocks import random_valid_blocks
+
+_WIDTH = {name: 64 if quant_blocks.block_size(name) == 32 else 512 for name in native.TYPE_NAMES}
+_INT8_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+def _tensor(type_name, shape, seed, max_scale=None):
+  """(exact float32 values, device fields in the kernel's order) of random valid blocks."""
+  rng = np.random.default_rng(seed)
+  raw = random_valid_blocks(rng, type_name, shape, max_scale=max_scale)
+  values = quants.dequantize(raw, GGMLQuantizationType[type_name]).reshape(shape)
+  fields = quant_blocks.unpack(type_name, raw, shape)
+  return values, [jnp.asarray(fields[n]) for n in quant_blocks.field_specs(type_name, shape)]
+
+
+_matvec = jax.jit(native.quant_matvec, static_argnums=(2, 4))
+
+
+def _call(x, ids, type_name, fields, int8=False):
+  return np.asarray(_matvec(jnp.asarray(x, jnp.float32), jnp.asarray(ids, jnp.int32), type_name,
+                            fields, int8))
+
+
+class NativeKernelTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.assertTrue(native.available(), "the native kernel did not build here (see the log)")
+
+  @parameterized.parameters(*native.TYPE_NAMES)
+  def test_unit_rows_read_the_exact_values_of_every_matrix(self, type_name):
+    # x = e_i against matrix m gives column i of matrix m exactly (every other product is an
+    # exact zero), so the kernel's unpacked values are compared bit for bit.
+    width = _WIDTH[type_name]
+    values, fields = _tensor(type_name, (3, 40, width), seed=sum(map(ord, type_name)))
+    for matrix in range(3):
+      for start in range(0, width, native.MAX_ROWS):
+        eye = np.eye(width, dtype=np.float32)[start:start + native.MAX_ROWS]
+        got = _call(eye, np.full(len(eye), matrix), type_name, fields)
+        np.testing.assert_array_equal(got.T, values[matrix][:, start:start + native.MAX_ROWS])
+
+  @parameterized.parameters(*native.TYPE_NAMES)
+  def test_rows_against_their_matrices_match_float64(self, type_name):
+    width = _WIDTH[type_name]
+    values, fields = _tensor(type_name, (4, 96, width), seed=1, max_scale=0.01)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((7, width)).astype(np.float32)
+    ids = np.array([3, 0, 3, 1, 2, 0, 3])
+    want = np.einsum("ri,roi->ro", x.astype(np.float64), values[ids].astype(np.float64))
+    got = _call(x, ids, type_name, fields)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+  def test_a_rows_result_does_not_depend_on_the_other_rows(self):
+    # What makes MTP on (a verify of k rows) equal MTP off (one row a step) bit for bit, with
+    # the work split over threads in both.
+    for type_name in ("Q4_K", "Q6_K", "Q8_0"):
+      _, fields = _tensor(type_name, (2, 2048, 256), seed=4, max_scale=0.01)
+      x = np.random.default_rng(5).standard_normal((5, 256)).astype(np.float32)
+      ids = np.array([1, 0, 1, 1, 0])
+      for int8 in (False, True):
+        together = _call(x, ids, type_name, fields, int8)
+        for r in range(5):
+          alone = _call(x[r:r + 1], ids[r:r + 1], type_name, fields, int8)
+          np.testing.assert_array_equal(alone[0], together[r], err_msg=f"{type_name} {int8}")
+
+  @parameterized.parameters(*_INT8_TYPES)
+  def test_int8_rows_lose_at_most_their_rounding(self, type_name):
+    # Each row is rounded per weight block to int8 x its scale amax / 127, so a product can
+    # move by at most sum_i |w_i| * scale_i / 2 (plus float rounding).
+    width = _WIDTH[type_name]
+    block = quant_blocks.block_size(type_name)
+    values, fields = _tensor(type_name, (1, 64, width), seed=6, max_scale=0.01)
+    x = np.random.default_rng(7).standard_normal((3, width)).astype(np.float32)
+    exact = x.astype(np.float64) @ values[0].T.astype(np.float64)
+    scale = np.repeat(np.abs(x).reshape(3, -1, block).max(-1) / 127.0, block, axis=1)
+    bound = 0.5 * scale @ np.abs(values[0]).T.astype(np.float64)
+    got = _call(x, np.zeros(3), type_name, fields, int8=True)
+    self.assertTrue(np.all(np.abs(got - exact) <= bound + 1e-5 * np.abs(exact).max()))
+    self.assertGreater(np.abs(got - exact).max(), 0.0)   # the rows were rounded
+
+  @parameterized.parameters(*_INT8_TYPES)
+  def test_int8_rows_that_int8_holds_exactly_give_the_exact_products(self, type_name):
+    # Integer rows in [-127, 127] whose every 256-value run holds +-127 have scale 1 and round
+    # to themselves, so the integer path must give the float64 products.
+    width = _WIDTH[type_name]
+    values, fields = _tensor(type_name, (1, 64, width), seed=8, max_scale=0.01)
+    x = np.random.default_rng(9).integers(-127, 128, (2, width)).astype(np.float32)
+    x[:, ::32] = 127.0
+    want = x.astype(np.float64) @ values[0].T.astype(np.float64)
+    got = _call(x, np.zeros(2), type_name, fields, int8=True)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+  def test_quantized_contract_takes_the_kernel_for_few_rows(self):
+    # Decode rows go to the native kernel on XLA:CPU; prefill-sized row counts do not.
+    _, fields = _tensor("Q4_K", (512, 256), seed=10)
+    named = dict(zip(quant_blocks.field_specs("Q4_K", (512, 256)), fields))
+    for rows, native_call in ((1, True), (native.MAX_ROWS, True), (native.MAX_ROWS + 1, False)):
+      x = jax.ShapeDtypeStruct((rows, 256), jnp.float32)
+      text = jax.jit(quantized.contract, static_argnums=1).lower(x, "Q4_K", named).as_text()
+      self.assertEqual("mtpjax_quant_matvec" in text, native_call, rows)
+
+
+class NativeBuildTest(absltest.TestCase):
+  """Fresh processes, since a process builds and registers the kernel once."""
+
+  def _available_in_a_fresh_process(self, **env) -> tuple[bool, str]:
+    with tempfile.TemporaryDirectory() as cache:
+      run = subprocess.run(
+          [sys.executable, "-c", "from mtpjax.kernels import native; print(native.available())"],
+          env={**os.environ, "MTPJAX_CACHE_DIR": cache, "JAX_PLATFORMS": "cpu", **env},
+          capture_output=True, text=True, timeout=300, check=True)
+    return run.stdout.strip() == "True", run.stderr
+
+  def test_no_compiler_falls_back_with_a_warning(self):
+    available, log = self._available_in_a_fresh_process(CXX="/bin/false")
+    self.assertFalse(available)
+    self.assertIn("native CPU kernels unavailable", log)
+
+  def test_switched_off_by_the_environment(self):
+    available, _ = self._available_in_a_fresh_process(MTPJAX_NATIVE="0")
+    self.assertFalse(available)
+
+
+if __name__ == "__main__":
+  absltest.main()
