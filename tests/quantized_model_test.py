@@ -15,6 +15,7 @@ from absl.testing import absltest, parameterized
 from flax import nnx
 
 import mtpjax
+from configs import glm
 from mtpjax import checkpoint, errors, loading, sharding
 from mtpjax.convert import convert
 from mtpjax.models.interface import StageLayout
@@ -83,6 +84,21 @@ class QuantizedFixtureTest(parameterized.TestCase):
     self.assertLen(fallbacks, 2)
     self.assertIn("blk.0.attn_q.weight", fallbacks[0] + fallbacks[1])
     self.assertEqual(loading.weight_formats(types, model.config, layout, "dense"), {})
+
+  def test_int8_activations_from_the_config_reach_every_quantized_tensor(self):
+    # configs/glm.py's switch, read by mtpjax.load (an explicit argument wins over it).
+    config = glm.get_config()
+    config.model.int8_activations = True
+    path = FIXTURE / "glm4moe_h64-Q4_K_M.gguf"
+    for kwargs, want in ((dict(config=config), True),
+                         (dict(config=config, int8_activations=False), False),
+                         ({}, False)):
+      model = mtpjax.load(path, **kwargs)
+      graphdef, state = model.weights(with_mtp=model.has_mtp)
+      tensors = [node for _, node in nnx.iter_graph(nnx.merge(graphdef, state))
+                 if isinstance(node, QuantizedTensor)]
+      self.assertNotEmpty(tensors)
+      self.assertEqual({t.int8_activations for t in tensors}, {want}, kwargs.keys())
 
   def test_bad_weights_value_is_a_typed_error(self):
     with self.assertRaisesRegex(errors.ConversionError, "weights"):

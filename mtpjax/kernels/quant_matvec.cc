@@ -338,13 +338,6 @@ inline int simd_runs(int t, const Field* f, int64_t b, Run* runs) {
   return 0;
 }
 
-// 32 int8 products of a run's `q` and a row's int8 `x`, summed in 8 int32 lanes (lanes 0-3:
-// elements 0-15, lanes 4-7: 16-31), as float. `nonneg`: q >= 0, read as unsigned directly.
-inline __m256 int8_dot(__m256i q, __m256i x, bool nonneg) {
-  __m256i pairs = nonneg ? _mm256_maddubs_epi16(q, x)
-                         : _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
 
 // `n` values `w` (a multiple of 32) times each row's x at `off`, into its 4 accumulators
 // (independent chains, so the loop runs at the FMA units' rate, not their latency).
@@ -447,23 +440,49 @@ struct Work {
   // One output row for the rows of a group with int8 activations, 32-value blocks: each
   // block's integers times each row's int8 values, scaled by the block's and the row's scales.
   void int8_row(int64_t first, const int* group, int count, int64_t n) {
-    if (kBlock[type] == 256) return kquant_int8_row(first, group, count, n);
-    bool nonneg = type == Q4_1 || type == Q5_1;
+    switch (type) {
+      case Q8_0: return small_block_rows<Q8_0>(first, group, count, n);
+      case Q4_0: return small_block_rows<Q4_0>(first, group, count, n);
+      case Q4_1: return small_block_rows<Q4_1>(first, group, count, n);
+      case Q5_0: return small_block_rows<Q5_0>(first, group, count, n);
+      case Q5_1: return small_block_rows<Q5_1>(first, group, count, n);
+      case Q4_K: return kquant_rows<Q4_K>(first, group, count, n);
+      case Q5_K: return kquant_rows<Q5_K>(first, group, count, n);
+      default: return kquant_rows<Q6_K>(first, group, count, n);
+    }
+  }
+
+  // One row alone (decode) gets its own copy, with its accumulators in registers.
+  template <int T>
+  void small_block_rows(int64_t first, const int* group, int count, int64_t n) {
+    if (count == 1) return small_block_rows_of<T>(first, group, 1, n);
+    small_block_rows_of<T>(first, group, count, n);
+  }
+
+  template <int T>
+  __attribute__((always_inline)) inline void small_block_rows_of(int64_t first, const int* group,
+                                                                  int count, int64_t n) {
+    constexpr bool nonneg = T == Q4_1 || T == Q5_1;
     __m256 acc[kMaxRows][2];
     float mins[kMaxRows];
+    const int8_t* xr[kMaxRows];
+    const float* xd[kMaxRows];
     for (int r = 0; r < count; ++r) {
       acc[r][0] = acc[r][1] = _mm256_setzero_ps();
       mins[r] = 0.0f;
+      xr[r] = xq.data() + group[r] * width;
+      xd[r] = xscale.data() + group[r] * blocks_per_row;
     }
     for (int64_t b = 0; b < blocks_per_row; ++b) {
       Run run;
-      simd_runs(type, fields, first + b, &run);
+      simd_runs(T, fields, first + b, &run);
+      __m256i magnitude = nonneg ? run.q : _mm256_sign_epi8(run.q, run.q);
       for (int r = 0; r < count; ++r) {
-        int64_t g = group[r] * blocks_per_row + b;
-        __m256i xv = load32(reinterpret_cast<const uint8_t*>(xq.data() + g * 32));
-        acc[r][b & 1] = _mm256_fmadd_ps(int8_dot(run.q, xv, nonneg), _mm256_set1_ps(run.s0 * xscale[g]),
-                                        acc[r][b & 1]);
-        if (nonneg) mins[r] += run.m * xsum[g];
+        __m256i xv = load32(reinterpret_cast<const uint8_t*>(xr[r] + b * 32));
+        __m256i pairs = _mm256_maddubs_epi16(magnitude, nonneg ? xv : _mm256_sign_epi8(xv, run.q));
+        __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+        acc[r][b & 1] = _mm256_fmadd_ps(sums, _mm256_set1_ps(run.s0 * xd[r][b]), acc[r][b & 1]);
+        if (nonneg) mins[r] += run.m * xsum[group[r] * blocks_per_row + b];
       }
     }
     for (int r = 0; r < count; ++r) {
@@ -476,14 +495,16 @@ struct Work {
   // is taken off once a block through the rows' 16-value sums of x); products are weighted by
   // the integer sub-block scales in int32 (under 2^24 a lane), then one float multiply-add a
   // block and row. The mins' term (Q4_K, Q5_K) comes from the float sums of x.
-  void kquant_int8_row(int64_t first, const int* group, int count, int64_t n) {
-    if (count == 1) return kquant_rows(first, group, 1, n);
-    kquant_rows(first, group, count, n);
+  template <int T>
+  void kquant_rows(int64_t first, const int* group, int count, int64_t n) {
+    if (count == 1) return kquant_rows_of<T>(first, group, 1, n);
+    kquant_rows_of<T>(first, group, count, n);
   }
 
-  __attribute__((always_inline)) inline void kquant_rows(int64_t first, const int* group,
-                                                         int count, int64_t n) {
-    bool six = type == Q6_K, five = type == Q5_K;
+  template <int T>
+  __attribute__((always_inline)) inline void kquant_rows_of(int64_t first, const int* group,
+                                                            int count, int64_t n) {
+    constexpr bool six = T == Q6_K, five = T == Q5_K;
     __m256 acc[kMaxRows], mins[kMaxRows];
     __m256i sums[kMaxRows];
     const int8_t* xr[kMaxRows];
@@ -571,7 +592,28 @@ struct Work {
   // One output row for the rows of a group: up to 256 values unpacked at a time (one K-quant
   // block, or 8 small blocks), then multiplied into every row.
   void simd_row(int64_t first, const int* group, int count, int64_t n) {
-    int block = kBlock[type];
+    switch (type) {
+      case Q8_0: return simd_rows<Q8_0>(first, group, count, n);
+      case Q4_0: return simd_rows<Q4_0>(first, group, count, n);
+      case Q4_1: return simd_rows<Q4_1>(first, group, count, n);
+      case Q5_0: return simd_rows<Q5_0>(first, group, count, n);
+      case Q5_1: return simd_rows<Q5_1>(first, group, count, n);
+      case Q4_K: return simd_rows<Q4_K>(first, group, count, n);
+      case Q5_K: return simd_rows<Q5_K>(first, group, count, n);
+      default: return simd_rows<Q6_K>(first, group, count, n);
+    }
+  }
+
+  template <int T>
+  void simd_rows(int64_t first, const int* group, int count, int64_t n) {
+    if (count == 1) return simd_rows_of<T>(first, group, 1, n);
+    simd_rows_of<T>(first, group, count, n);
+  }
+
+  template <int T>
+  __attribute__((always_inline)) inline void simd_rows_of(int64_t first, const int* group,
+                                                           int count, int64_t n) {
+    int block = kBlock[T];
     int64_t per_batch = 256 / block;
     alignas(64) float w[256];
     const float* xs[kMaxRows];
@@ -584,7 +626,7 @@ struct Work {
       int64_t batch = std::min(per_batch, blocks_per_row - b);
       for (int64_t i = 0; i < batch; ++i) {
         Run runs[8];
-        int n_runs = simd_runs(type, fields, first + b + i, runs);
+        int n_runs = simd_runs(T, fields, first + b + i, runs);
         for (int k = 0; k < n_runs; ++k) {
           const Run& run = runs[k];
           values32(w + i * block + 32 * k, run.q, run.s0, run.s1, run.m, run.m);
