@@ -196,21 +196,6 @@ inline void dequantize_block(int t, const Field* f, int64_t b, float* w) {
 #define MTPJAX_SIMD 1
 #include <immintrin.h>
 
-// 32 weights w_k = s * q_k - m from 32 int8 `q` (s, m: elements 0-15 take the first, 16-31
-// the second), each a single rounding as in gguf-py (s * q is exact for every type here),
-// stored to `w` (32 floats, 32-byte aligned).
-inline void values32(float* w, __m256i q, float s0, float s1, float m0, float m1) {
-  __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-  __m256 sa = _mm256_set1_ps(s0), sb = _mm256_set1_ps(s1);
-  __m256 ma = _mm256_set1_ps(m0), mb = _mm256_set1_ps(m1);
-  _mm256_store_ps(w, _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), sa, ma));
-  _mm256_store_ps(w + 8, _mm256_fmsub_ps(
-      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), sa, ma));
-  _mm256_store_ps(w + 16, _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), sb, mb));
-  _mm256_store_ps(w + 24, _mm256_fmsub_ps(
-      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), sb, mb));
-}
-
 inline float f16_fast(const Field& f, int64_t block) {
   uint16_t h;
   std::memcpy(&h, at(f, block), 2);
@@ -339,22 +324,6 @@ inline int simd_runs(int t, const Field* f, int64_t b, Run* runs) {
 }
 
 
-// `n` values `w` (a multiple of 32) times each row's x at `off`, into its 4 accumulators
-// (independent chains, so the loop runs at the FMA units' rate, not their latency).
-inline void dot_rows(const float* w, int n, const float* const* xs, int64_t off, __m256 (*acc)[4],
-                     int count) {
-  for (int r = 0; r < count; ++r) {
-    const float* x = xs[r] + off;
-    __m256 a0 = acc[r][0], a1 = acc[r][1], a2 = acc[r][2], a3 = acc[r][3];
-    for (int j = 0; j < n; j += 32) {
-      a0 = _mm256_fmadd_ps(_mm256_load_ps(w + j), _mm256_loadu_ps(x + j), a0);
-      a1 = _mm256_fmadd_ps(_mm256_load_ps(w + j + 8), _mm256_loadu_ps(x + j + 8), a1);
-      a2 = _mm256_fmadd_ps(_mm256_load_ps(w + j + 16), _mm256_loadu_ps(x + j + 16), a2);
-      a3 = _mm256_fmadd_ps(_mm256_load_ps(w + j + 24), _mm256_loadu_ps(x + j + 24), a3);
-    }
-    acc[r][0] = a0, acc[r][1] = a1, acc[r][2] = a2, acc[r][3] = a3;
-  }
-}
 
 inline float horizontal_sum(__m256 a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -407,14 +376,23 @@ struct Work {
     }
   }
 
-  // x rounded per block of the weight type (32, or 256 for K-quants as llama.cpp's Q8_K):
-  // xscale [R, K / block], and xsum [R, K / 32] the float sums of each 32 values.
+  // The float sums of each 32 values of every row (the mins' term), xsum [R, K / 32].
+  void sum_rows() {
+    xsum.resize(rows * width / 32);
+    for (int64_t g = 0; g < rows * width / 32; ++g) {
+      float sum = 0.0f;
+      for (int i = 0; i < 32; ++i) sum += x[g * 32 + i];
+      xsum[g] = sum;
+    }
+  }
+
+  // x rounded per block of the weight type (32, or 256 for K-quants as llama.cpp's Q8_K) to
+  // int8 times xscale [R, K / block], and xbsum [R, K / 16] the sums of the int8 values.
   void quantize_rows() {
     int block = kBlock[type];
     int64_t groups = width / block;
     xq.resize(rows * width);
     xscale.resize(rows * groups);
-    xsum.resize(rows * width / 32);
     for (int64_t g = 0; g < rows * groups; ++g) {
       const float* v = x + g * block;
       float amax = 0.0f;
@@ -428,11 +406,6 @@ struct Work {
       int sum = 0;
       for (int i = 0; i < 16; ++i) sum += xq[g * 16 + i];
       xbsum[g] = int16_t(sum);
-    }
-    for (int64_t g = 0; g < rows * width / 32; ++g) {
-      float sum = 0.0f;
-      for (int i = 0; i < 32; ++i) sum += x[g * 32 + i];
-      xsum[g] = sum;
     }
   }
 
@@ -610,34 +583,52 @@ struct Work {
     simd_rows_of<T>(first, group, count, n);
   }
 
+  // Float32 rows: each run's integers converted once, multiplied into every row, and the
+  // run's scales applied to the row's partial sums (per 16 values), so the weights' values
+  // are never formed: s * sum(q x) - m * sum(x). A unit row still reads back exactly
+  // gguf-py's value, s * q - m with one rounding.
   template <int T>
   __attribute__((always_inline)) inline void simd_rows_of(int64_t first, const int* group,
                                                            int count, int64_t n) {
-    int block = kBlock[T];
-    int64_t per_batch = 256 / block;
-    alignas(64) float w[256];
-    const float* xs[kMaxRows];
+    constexpr int block = kBlock[T];
+    constexpr bool has_min = T == Q4_1 || T == Q5_1 || T == Q4_K || T == Q5_K;
     __m256 acc[kMaxRows][4];
+    float mins[kMaxRows];
+    const float* xs[kMaxRows];
     for (int r = 0; r < count; ++r) {
       xs[r] = x + group[r] * width;
       for (int k = 0; k < 4; ++k) acc[r][k] = _mm256_setzero_ps();
+      mins[r] = 0.0f;
     }
-    for (int64_t b = 0; b < blocks_per_row; b += per_batch) {
-      int64_t batch = std::min(per_batch, blocks_per_row - b);
-      for (int64_t i = 0; i < batch; ++i) {
-        Run runs[8];
-        int n_runs = simd_runs(T, fields, first + b + i, runs);
-        for (int k = 0; k < n_runs; ++k) {
-          const Run& run = runs[k];
-          values32(w + i * block + 32 * k, run.q, run.s0, run.s1, run.m, run.m);
+    alignas(32) int8_t qb[32];
+    for (int64_t b = 0; b < blocks_per_row; ++b) {
+      Run runs[8];
+      int n_runs = simd_runs(T, fields, first + b, runs);
+      for (int k = 0; k < n_runs; ++k) {
+        const Run& run = runs[k];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(qb), run.q);
+        __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)qb)));
+        __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(qb + 8))));
+        __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(qb + 16))));
+        __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(qb + 24))));
+        __m256 s0 = _mm256_set1_ps(run.s0), s1 = _mm256_set1_ps(run.s1);
+        int lane = 2 * (int(b * n_runs + k) & 1);
+        int64_t off = b * block + 32 * k;
+        for (int r = 0; r < count; ++r) {
+          const float* xr = xs[r] + off;
+          __m256 lo = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xr + 8), _mm256_mul_ps(q0, _mm256_loadu_ps(xr)));
+          __m256 hi = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xr + 24),
+                                      _mm256_mul_ps(q2, _mm256_loadu_ps(xr + 16)));
+          acc[r][lane] = _mm256_fmadd_ps(lo, s0, acc[r][lane]);
+          acc[r][lane + 1] = _mm256_fmadd_ps(hi, s1, acc[r][lane + 1]);
+          if (has_min) mins[r] += run.m * xsum[(group[r] * width + off) / 32];
         }
       }
-      dot_rows(w, int(batch * block), xs, b * block, acc, count);
     }
     for (int r = 0; r < count; ++r) {
       __m256 a = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
                                _mm256_add_ps(acc[r][2], acc[r][3]));
-      y[group[r] * out_rows + n] = horizontal_sum(a);
+      y[group[r] * out_rows + n] = horizontal_sum(a) - mins[r];
     }
   }
 #endif
@@ -731,6 +722,7 @@ ffi::Error QuantMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   work->starts.push_back(int(work->rows));
   work->order = std::move(order);
   work->int8_x = int8_x != 0;
+  work->sum_rows();
   if (work->int8_x) work->quantize_rows();
   work->chunks_per_group = (work->out_rows + kChunkRows - 1) / kChunkRows;
   work->total_chunks = work->chunks_per_group * int64_t(work->matrix.size());
