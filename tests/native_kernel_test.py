@@ -56,11 +56,10 @@ class NativeKernelTest(parameterized.TestCase):
     # exact zero), so the kernel's unpacked values are compared bit for bit.
     width = _WIDTH[type_name]
     values, fields = _tensor(type_name, (3, 40, width), seed=sum(map(ord, type_name)))
+    eye = np.eye(width, dtype=np.float32)
     for matrix in range(3):
-      for start in range(0, width, native.MAX_ROWS):
-        eye = np.eye(width, dtype=np.float32)[start:start + native.MAX_ROWS]
-        got = _call(eye, np.full(len(eye), matrix), type_name, fields)
-        np.testing.assert_array_equal(got.T, values[matrix][:, start:start + native.MAX_ROWS])
+      got = _call(eye, np.full(width, matrix), type_name, fields)
+      np.testing.assert_array_equal(got.T, values[matrix])
 
   @parameterized.parameters(*native.TYPE_NAMES)
   def test_rows_against_their_matrices_match_float64(self, type_name):
@@ -117,7 +116,8 @@ class NativeKernelTest(parameterized.TestCase):
     # Decode rows go to the native kernel on XLA:CPU; prefill-sized row counts do not.
     _, fields = _tensor("Q4_K", (512, 256), seed=10)
     named = dict(zip(quant_blocks.field_specs("Q4_K", (512, 256)), fields))
-    for rows, native_call in ((1, True), (native.MAX_ROWS, True), (native.MAX_ROWS + 1, False)):
+    for rows, native_call in ((1, True), (quantized.NATIVE_ROWS, True),
+                              (quantized.NATIVE_ROWS + 1, False)):
       x = jax.ShapeDtypeStruct((rows, 256), jnp.float32)
       text = jax.jit(quantized.contract, static_argnums=1).lower(x, "Q4_K", named).as_text()
       self.assertEqual("mtpjax_quant_matvec" in text, native_call, rows)

@@ -45,8 +45,10 @@ _LAYERS = flags.DEFINE_integer("layers", 4, "synthetic model's trunk layers (wit
 _TYPE = flags.DEFINE_string("type", "Q4_K", "synthetic model's tensor type (without --source)")
 _DIMS = flags.DEFINE_list("dims", [], "synthetic model's dimension overrides name=value (a "
                           "smaller model of the same shape family, e.g. for a CPU dry run)")
-_WEIGHT_MODES = flags.DEFINE_list("weight_modes", ["quantized", "dense"],
-                                  "mtpjax.load(weights=...) modes, alternated")
+_WEIGHT_MODES = flags.DEFINE_list(
+    "weight_modes", ["quantized", "dense"],
+    "mtpjax.load(weights=...) modes, alternated; quantized-int8 is quantized with "
+    "int8_activations=True (rows rounded to int8 on a CPU, as llama.cpp multiplies)")
 _DECODE_TOKENS = flags.DEFINE_integer("decode_tokens", 128, "tokens decoded per round")
 _SLOT_COUNTS = flags.DEFINE_list("slot_counts", ["1"], "decode slots, one request each (the "
                                  "first is the reference of `step_vs_first`), e.g. 1,8")
@@ -69,7 +71,8 @@ def main(argv):
     models, load_s = {}, {}
     for mode in _WEIGHT_MODES.value:
       start = time.perf_counter()
-      models[mode] = mtpjax.load(path, dtype=_DTYPE.value, weights=mode)
+      models[mode] = mtpjax.load(path, dtype=_DTYPE.value, weights=mode.removesuffix("-int8"),
+                                 int8_activations=mode.endswith("-int8"))
       load_s[mode] = time.perf_counter() - start
     slot_counts = [int(n) for n in _SLOT_COUNTS.value]
     rng = np.random.default_rng(_SEED.value)

@@ -32,7 +32,7 @@ _FLAGS = ("-O2", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-e
 # GGUF type names in the kernel's TypeCode order.
 TYPE_NAMES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # Rows one call takes (the kernel's kMaxRows).
-MAX_ROWS = 64
+MAX_ROWS = 4096
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}

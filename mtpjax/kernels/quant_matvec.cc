@@ -33,7 +33,8 @@ enum TypeCode { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, NUM_
 
 constexpr int kBlock[NUM_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 256, 256};
 constexpr int kFields[NUM_TYPES] = {2, 2, 3, 3, 4, 4, 4, 5, 6, 4};
-constexpr int kMaxRows = 64;  // native.MAX_ROWS
+constexpr int kMaxRows = 4096;  // native.MAX_ROWS
+constexpr int kScalarRows = 64;  // rows a scalar pass keeps accumulators for
 constexpr int kChunkRows = 32;
 // Below this many weight bytes a call runs on the calling thread alone.
 constexpr int64_t kParallelBytes = 1 << 18;
@@ -425,21 +426,28 @@ struct Work {
     }
   }
 
-  // One row alone (decode) gets its own copy, with its accumulators in registers.
+  // Rows go through in fours or fewer, each count its own copy with its accumulators in
+  // registers; a row's arithmetic is the same in every copy.
   template <int T>
   void small_block_rows(int64_t first, const int* group, int count, int64_t n) {
-    if (count == 1) return small_block_rows_of<T>(first, group, 1, n);
-    small_block_rows_of<T>(first, group, count, n);
+    for (int r = 0; r < count; r += 4) {
+      switch (std::min(4, count - r)) {
+        case 1: small_block_rows_of<T, 1>(first, group + r, n); break;
+        case 2: small_block_rows_of<T, 2>(first, group + r, n); break;
+        case 3: small_block_rows_of<T, 3>(first, group + r, n); break;
+        default: small_block_rows_of<T, 4>(first, group + r, n); break;
+      }
+    }
   }
 
-  template <int T>
-  __attribute__((always_inline)) inline void small_block_rows_of(int64_t first, const int* group,
-                                                                  int count, int64_t n) {
+  template <int T, int count>
+  void small_block_rows_of(int64_t first, const int* group, int64_t n) {
     constexpr bool nonneg = T == Q4_1 || T == Q5_1;
-    __m256 acc[kMaxRows][2];
-    float mins[kMaxRows];
-    const int8_t* xr[kMaxRows];
-    const float* xd[kMaxRows];
+    __m256 acc[count][2];
+    float mins[count];
+    const int8_t* xr[count];
+    const float* xd[count];
+    #pragma GCC unroll 4
     for (int r = 0; r < count; ++r) {
       acc[r][0] = acc[r][1] = _mm256_setzero_ps();
       mins[r] = 0.0f;
@@ -450,6 +458,7 @@ struct Work {
       Run run;
       simd_runs(T, fields, first + b, &run);
       __m256i magnitude = nonneg ? run.q : _mm256_sign_epi8(run.q, run.q);
+      #pragma GCC unroll 4
       for (int r = 0; r < count; ++r) {
         __m256i xv = load32(reinterpret_cast<const uint8_t*>(xr[r] + b * 32));
         __m256i pairs = _mm256_maddubs_epi16(magnitude, nonneg ? xv : _mm256_sign_epi8(xv, run.q));
@@ -458,6 +467,7 @@ struct Work {
         if (nonneg) mins[r] += run.m * xsum[group[r] * blocks_per_row + b];
       }
     }
+    #pragma GCC unroll 4
     for (int r = 0; r < count; ++r) {
       y[group[r] * out_rows + n] = horizontal_sum(_mm256_add_ps(acc[r][0], acc[r][1])) - mins[r];
     }
@@ -470,20 +480,27 @@ struct Work {
   // block and row. The mins' term (Q4_K, Q5_K) comes from the float sums of x.
   template <int T>
   void kquant_rows(int64_t first, const int* group, int count, int64_t n) {
-    if (count == 1) return kquant_rows_of<T>(first, group, 1, n);
-    kquant_rows_of<T>(first, group, count, n);
+    for (int r = 0; r < count; r += 4) {
+      switch (std::min(4, count - r)) {
+        case 1: kquant_rows_of<T, 1>(first, group + r, n); break;
+        case 2: kquant_rows_of<T, 2>(first, group + r, n); break;
+        case 3: kquant_rows_of<T, 3>(first, group + r, n); break;
+        default: kquant_rows_of<T, 4>(first, group + r, n); break;
+      }
+    }
   }
 
-  template <int T>
-  __attribute__((always_inline)) inline void kquant_rows_of(int64_t first, const int* group,
-                                                            int count, int64_t n) {
+  template <int T, int count>
+  void kquant_rows_of(int64_t first, const int* group, int64_t n) {
     constexpr bool six = T == Q6_K, five = T == Q5_K;
-    __m256 acc[kMaxRows], mins[kMaxRows];
-    __m256i sums[kMaxRows];
-    const int8_t* xr[kMaxRows];
+    __m256 acc[count], mins[count];
+    __m256i sums[count];
+    const int8_t* xr[count];
+    #pragma GCC unroll 4
     for (int r = 0; r < count; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks_per_row; ++b) {
       int64_t block = first + b;
+      #pragma GCC unroll 4
       for (int r = 0; r < count; ++r) {
         sums[r] = _mm256_setzero_si256();
         xr[r] = xq.data() + (group[r] * blocks_per_row + b) * 256;
@@ -499,6 +516,7 @@ struct Work {
             _mm_set1_epi8(char(0x80)));
         // the offset: 32 x the scales' products with the rows' 16-value sums of x
         __m256i all_scales = _mm256_cvtepi8_epi16(scales);
+        #pragma GCC unroll 4
         for (int r = 0; r < count; ++r) {
           __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
               xbsum.data() + (group[r] * blocks_per_row + b) * 16));
@@ -515,6 +533,7 @@ struct Work {
                                         high_crumbs(high, s));
             __m256i scale = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
                 scales, _mm_load_si128(reinterpret_cast<const __m128i*>(kScalePairs[4 * g + s]))));
+            #pragma GCC unroll 4
             for (int r = 0; r < count; ++r) {
               __m256i xv = load32(reinterpret_cast<const uint8_t*>(xr[r] + 128 * g + 32 * s));
               sums[r] = _mm256_add_epi32(sums[r],
@@ -541,6 +560,7 @@ struct Work {
               q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
             }
             __m256i scale = _mm256_set1_epi16(short(sc[k]));
+            #pragma GCC unroll 4
             for (int r = 0; r < count; ++r) {
               __m256i xv = load32(reinterpret_cast<const uint8_t*>(xr[r] + 32 * k));
               sums[r] = _mm256_add_epi32(sums[r],
@@ -551,12 +571,14 @@ struct Work {
         __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn));
         dmins = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8)));
       }
+      #pragma GCC unroll 4
       for (int r = 0; r < count; ++r) {
         int64_t g = group[r] * blocks_per_row + b;
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_set1_ps(d * xscale[g]), acc[r]);
         if (!six) mins[r] = _mm256_fmadd_ps(dmins, _mm256_loadu_ps(xsum.data() + g * 8), mins[r]);
       }
     }
+    #pragma GCC unroll 4
     for (int r = 0; r < count; ++r) {
       y[group[r] * out_rows + n] = horizontal_sum(acc[r]) - horizontal_sum(mins[r]);
     }
@@ -579,22 +601,28 @@ struct Work {
 
   template <int T>
   void simd_rows(int64_t first, const int* group, int count, int64_t n) {
-    if (count == 1) return simd_rows_of<T>(first, group, 1, n);
-    simd_rows_of<T>(first, group, count, n);
+    for (int r = 0; r < count; r += 4) {
+      switch (std::min(4, count - r)) {
+        case 1: simd_rows_of<T, 1>(first, group + r, n); break;
+        case 2: simd_rows_of<T, 2>(first, group + r, n); break;
+        case 3: simd_rows_of<T, 3>(first, group + r, n); break;
+        default: simd_rows_of<T, 4>(first, group + r, n); break;
+      }
+    }
   }
 
   // Float32 rows: each run's integers converted once, multiplied into every row, and the
   // run's scales applied to the row's partial sums (per 16 values), so the weights' values
   // are never formed: s * sum(q x) - m * sum(x). A unit row still reads back exactly
   // gguf-py's value, s * q - m with one rounding.
-  template <int T>
-  __attribute__((always_inline)) inline void simd_rows_of(int64_t first, const int* group,
-                                                           int count, int64_t n) {
+  template <int T, int count>
+  void simd_rows_of(int64_t first, const int* group, int64_t n) {
     constexpr int block = kBlock[T];
     constexpr bool has_min = T == Q4_1 || T == Q5_1 || T == Q4_K || T == Q5_K;
-    __m256 acc[kMaxRows][4];
-    float mins[kMaxRows];
-    const float* xs[kMaxRows];
+    __m256 acc[count][4];
+    float mins[count];
+    const float* xs[count];
+    #pragma GCC unroll 4
     for (int r = 0; r < count; ++r) {
       xs[r] = x + group[r] * width;
       for (int k = 0; k < 4; ++k) acc[r][k] = _mm256_setzero_ps();
@@ -614,6 +642,7 @@ struct Work {
         __m256 s0 = _mm256_set1_ps(run.s0), s1 = _mm256_set1_ps(run.s1);
         int lane = 2 * (int(b * n_runs + k) & 1);
         int64_t off = b * block + 32 * k;
+        #pragma GCC unroll 4
         for (int r = 0; r < count; ++r) {
           const float* xr = xs[r] + off;
           __m256 lo = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xr + 8), _mm256_mul_ps(q0, _mm256_loadu_ps(xr)));
@@ -625,6 +654,7 @@ struct Work {
         }
       }
     }
+    #pragma GCC unroll 4
     for (int r = 0; r < count; ++r) {
       __m256 a = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
                                _mm256_add_ps(acc[r][2], acc[r][3]));
@@ -633,27 +663,33 @@ struct Work {
   }
 #endif
 
-  // One output row for the rows of a group, through `dequantize_block` (every type).
+  // One output row for the rows of a group, through `dequantize_block` (every type), up to
+  // kScalarRows rows a pass.
   void scalar_row(int64_t first, const int* group, int count, int64_t n) {
     int block = kBlock[type];
     alignas(64) float w[256];
-    float acc[kMaxRows][8];
-    for (int r = 0; r < count; ++r) std::fill(acc[r], acc[r] + 8, 0.0f);
-    for (int64_t b = 0; b < blocks_per_row; ++b) {
-      dequantize_block(type, fields, first + b, w);
-      for (int r = 0; r < count; ++r) {
-        const float* xr = x + group[r] * width + b * block;
-        float* a = acc[r];
-        for (int j = 0; j < block; j += 8) {
-          for (int l = 0; l < 8; ++l) a[l] += w[j + l] * xr[j + l];
+    float acc[kScalarRows][8];
+    for (int r0 = 0; r0 < count; r0 += kScalarRows) {
+      int rows_now = std::min(kScalarRows, count - r0);
+      for (int r = 0; r < rows_now; ++r) std::fill(acc[r], acc[r] + 8, 0.0f);
+      for (int64_t b = 0; b < blocks_per_row; ++b) {
+        dequantize_block(type, fields, first + b, w);
+        for (int r = 0; r < rows_now; ++r) {
+          const float* xr = x + group[r0 + r] * width + b * block;
+          float* a = acc[r];
+          for (int j = 0; j < block; j += 8) {
+            for (int l = 0; l < 8; ++l) a[l] += w[j + l] * xr[j + l];
+          }
         }
       }
-    }
-    for (int r = 0; r < count; ++r) {
-      const float* a = acc[r];
-      y[group[r] * out_rows + n] = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+      for (int r = 0; r < rows_now; ++r) {
+        const float* a = acc[r];
+        y[group[r0 + r] * out_rows + n] =
+            ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+      }
     }
   }
+
 
   // Takes chunks until none is left; returns when every chunk taken by anyone is finished.
   void drain(bool wait) {

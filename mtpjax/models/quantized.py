@@ -16,7 +16,7 @@ Contraction (`matmul`, `contract`), by backend:
 - accelerators: up to FUSED_ROWS rows (decode, verify) multiply and reduce against the values
   computed from the integers inside one XLA loop, so no dense weight is materialized; more rows
   (prefill) dequantize the matrix once and use the backend's GEMM;
-- XLA:CPU: up to NATIVE_ROWS rows go to the native kernel (`kernels/quant_matvec.cc`), which
+- XLA:CPU: up to NATIVE_ROWS rows a matrix go to the native kernel (`kernels/quant_matvec.cc`), which
   unpacks each block once into the same float32 values and multiplies it into every row
   (`native_contract`); more rows, or where the kernel cannot be built, a tile of output rows
   at a time (2 MB of float32 values) is dequantized (in cache) and contracted by a dot
@@ -40,9 +40,10 @@ F32 = jnp.float32
 # On accelerators, row counts up to this contract in a fused loop against the integers (it
 # reads 4-8x fewer bytes than a dense weight); more rows dequantize once and run a GEMM.
 FUSED_ROWS = 16
-# On XLA:CPU, row counts up to this (decode and verify rows of every slot, or rows x heads)
-# contract in the native kernel, which unpacks each block once for all of them.
-NATIVE_ROWS = native.MAX_ROWS
+# On XLA:CPU, up to this many rows per matrix (decode and verify rows of every slot, per
+# head for per-head projections) contract in the native kernel, which unpacks each block once
+# for all of them; prefill-sized counts dequantize tiles for a GEMM.
+NATIVE_ROWS = 64
 # Float32 values per tile of `tiled_contract` (at most): 2 MB, about a core's L2. A matrix
 # that small is one tile: a loop over tiles of a few hundred rows costs more than it saves.
 TILE_ELEMENTS = 1 << 19
@@ -234,7 +235,7 @@ def contract_heads(x: jax.Array, type_name: str, fields: dict[str, jax.Array],
   if jax.default_backend() != "cpu" and math.prod(x.shape[:-2]) <= FUSED_ROWS:
     return fused_contract(x, type_name, fields)
   heads = x.shape[-2]
-  if jax.default_backend() == "cpu" and _native_rows(type_name, math.prod(x.shape[:-1])):
+  if jax.default_backend() == "cpu" and _native_rows(type_name, math.prod(x.shape[:-2])):
     rows = x.reshape(-1, x.shape[-1])
     ids = jnp.tile(jnp.arange(heads, dtype=jnp.int32), rows.shape[0] // heads)
     return native_contract(rows, ids, type_name, fields,
@@ -243,7 +244,7 @@ def contract_heads(x: jax.Array, type_name: str, fields: dict[str, jax.Array],
 
 
 def _native_rows(type_name: str, rows: int) -> bool:
-  """Whether `rows` rows of `type_name` take the native kernel (decided at trace time)."""
+  """Whether `rows` rows a matrix of `type_name` take the native kernel (at trace time)."""
   return 0 < rows <= NATIVE_ROWS and type_name in native.TYPE_NAMES and native.available()
 
 
