@@ -229,6 +229,42 @@ inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256((const __m25
 inline __m256i nibbles(__m256i v, int shift) {
   return _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8(0x0F));
 }
+
+// Run k (0-7) of a Q6_K block, elements 32k .. 32k + 31 as unsigned 6-bit values: with g = k / 4
+// and s = k % 4, the low 4 bits are nibble s / 2 of ql[64g + 32 (s % 2) + i] and the high 2 bits
+// are bits 2s, 2s + 1 of qh[32g + i].
+inline __m256i q6_run(const uint8_t* ql, const uint8_t* qh, int k) {
+  int g = k >> 2, s = k & 3;
+  __m256i low = load32(ql + 64 * g + 32 * (s & 1));
+  __m256i q = s < 2 ? _mm256_and_si256(low, _mm256_set1_epi8(0x0F)) : nibbles(low, 4);
+  return _mm256_or_si256(q, high_crumbs(load32(qh + 32 * g), s));
+}
+// A Q4_K / Q5_K block's fields: d, dmin, the packed 4-bit values, the 8 sub-block scales and
+// mins, and Q5_K's fifth bits (32 bytes, bit k for run k).
+struct KBlock {
+  float d, dmin;
+  const uint8_t *qs, *sc, *mn;
+  __m256i qh;
+  bool five;
+};
+
+inline KBlock k_block(const Field* f, int64_t b, bool five) {
+  return {f16_fast(f[0], b), f16_fast(f[1], b), at(f[five ? 3 : 2], b), at(f[five ? 4 : 3], b),
+          at(f[five ? 5 : 4], b), five ? load32(at(f[2], b)) : _mm256_setzero_si256(), five};
+}
+
+// Run k (0-7) of the block: its 32 4-bit values (the low nibbles of bytes 32 (k / 2) .. + 31
+// for even k, the high ones for odd k), with Q5_K's fifth bit.
+inline __m256i k_run(const KBlock& kb, int k) {
+  __m256i v = load32(kb.qs + 32 * (k >> 1));
+  __m256i q = (k & 1) ? nibbles(v, 4) : _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+  if (kb.five) {
+    __m256i bit = _mm256_and_si256(_mm256_srli_epi16(kb.qh, k), _mm256_set1_epi8(1));
+    q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+  }
+  return q;
+}
+
 // 16 packed bytes -> 32 bytes: low nibbles (elements 0-15), then high nibbles (16-31).
 inline __m256i split_nibbles16(const uint8_t* p) {
   __m128i v = _mm_loadu_si128((const __m128i*)p), mask = _mm_set1_epi8(0x0F);
@@ -277,26 +313,11 @@ inline int simd_runs(int t, const Field* f, int64_t b, Run* runs) {
     }
     case Q4_K:
     case Q5_K: {
-      bool five = t == Q5_K;
-      float d = f16_fast(f[0], b), dmin = f16_fast(f[1], b);
-      const uint8_t* qs = at(f[five ? 3 : 2], b);
-      const uint8_t* sc = at(f[five ? 4 : 3], b);
-      const uint8_t* mn = at(f[five ? 5 : 4], b);
-      __m256i qh = five ? load32(at(f[2], b)) : _mm256_setzero_si256();
+      KBlock kb = k_block(f, b, t == Q5_K);
       #pragma GCC unroll 8
-      for (int c = 0; c < 4; ++c) {
-        __m256i v = load32(qs + 32 * c);
-        #pragma GCC unroll 8
-        for (int h = 0; h < 2; ++h) {
-          int s = 2 * c + h;
-          __m256i q = nibbles(v, 4 * h);
-          if (five) {
-            __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, s), _mm256_set1_epi8(1));
-            q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
-          }
-          float dl = d * float(sc[s]);
-          runs[s] = {q, dl, dl, dmin * float(mn[s])};
-        }
+      for (int k = 0; k < 8; ++k) {
+        float dl = kb.d * float(kb.sc[k]);
+        runs[k] = {k_run(kb, k), dl, dl, kb.dmin * float(kb.mn[k])};
       }
       return 8;
     }
@@ -306,17 +327,10 @@ inline int simd_runs(int t, const Field* f, int64_t b, Run* runs) {
       const uint8_t* sc = at(f[2], b);
       float d = f16_fast(f[3], b);
       #pragma GCC unroll 8
-      for (int g = 0; g < 2; ++g) {
-        __m256i low[2] = {load32(ql + 64 * g), load32(ql + 64 * g + 32)};
-        __m256i high = load32(qhp + 32 * g);
-        #pragma GCC unroll 8
-        for (int s = 0; s < 4; ++s) {
-          __m256i q = nibbles(low[s & 1], 4 * (s >> 1));
-          __m256i h = _mm256_and_si256(_mm256_srli_epi16(high, 2 * s), _mm256_set1_epi8(3));
-          q = _mm256_sub_epi8(_mm256_or_si256(q, _mm256_slli_epi16(h, 4)), _mm256_set1_epi8(32));
-          runs[4 * g + s] = {q, d * signed_at(sc, 8 * g + 2 * s), d * signed_at(sc, 8 * g + 2 * s + 1),
-                             0.0f};
-        }
+      for (int k = 0; k < 8; ++k) {
+        int g = k >> 2, s = k & 3;
+        runs[k] = {_mm256_sub_epi8(q6_run(ql, qhp, k), _mm256_set1_epi8(32)),
+                   d * signed_at(sc, 8 * g + 2 * s), d * signed_at(sc, 8 * g + 2 * s + 1), 0.0f};
       }
       return 8;
     }
@@ -360,15 +374,14 @@ struct Work {
     int64_t n1 = std::min(out_rows, n0 + kChunkRows);
     const int* group = order.data() + starts[g];
     int count = starts[g + 1] - starts[g];
-    int block = kBlock[type];
     for (int64_t n = n0; n < n1; ++n) {
       int64_t first = matrix[g] * blocks_per_matrix + n * blocks_per_row;
 #ifdef MTPJAX_SIMD
       if (type != Q2_K && type != Q3_K) {
         if (int8_x) {
-          int8_row(first, group, count, n);
+          simd_row<true>(first, group, count, n);
         } else {
-          simd_row(first, group, count, n);
+          simd_row<false>(first, group, count, n);
         }
         continue;
       }
@@ -411,35 +424,8 @@ struct Work {
   }
 
 #ifdef MTPJAX_SIMD
-  // One output row for the rows of a group with int8 activations, 32-value blocks: each
-  // block's integers times each row's int8 values, scaled by the block's and the row's scales.
-  void int8_row(int64_t first, const int* group, int count, int64_t n) {
-    switch (type) {
-      case Q8_0: return small_block_rows<Q8_0>(first, group, count, n);
-      case Q4_0: return small_block_rows<Q4_0>(first, group, count, n);
-      case Q4_1: return small_block_rows<Q4_1>(first, group, count, n);
-      case Q5_0: return small_block_rows<Q5_0>(first, group, count, n);
-      case Q5_1: return small_block_rows<Q5_1>(first, group, count, n);
-      case Q4_K: return kquant_rows<Q4_K>(first, group, count, n);
-      case Q5_K: return kquant_rows<Q5_K>(first, group, count, n);
-      default: return kquant_rows<Q6_K>(first, group, count, n);
-    }
-  }
-
-  // Rows go through in fours or fewer, each count its own copy with its accumulators in
-  // registers; a row's arithmetic is the same in every copy.
-  template <int T>
-  void small_block_rows(int64_t first, const int* group, int count, int64_t n) {
-    for (int r = 0; r < count; r += 4) {
-      switch (std::min(4, count - r)) {
-        case 1: small_block_rows_of<T, 1>(first, group + r, n); break;
-        case 2: small_block_rows_of<T, 2>(first, group + r, n); break;
-        case 3: small_block_rows_of<T, 3>(first, group + r, n); break;
-        default: small_block_rows_of<T, 4>(first, group + r, n); break;
-      }
-    }
-  }
-
+  // int8 rows, 32-value blocks: each block's integers times each row's int8 values, scaled by
+  // the block's and the row's scales.
   template <int T, int count>
   void small_block_rows_of(int64_t first, const int* group, int64_t n) {
     constexpr bool nonneg = T == Q4_1 || T == Q5_1;
@@ -478,18 +464,6 @@ struct Work {
   // is taken off once a block through the rows' 16-value sums of x); products are weighted by
   // the integer sub-block scales in int32 (under 2^24 a lane), then one float multiply-add a
   // block and row. The mins' term (Q4_K, Q5_K) comes from the float sums of x.
-  template <int T>
-  void kquant_rows(int64_t first, const int* group, int count, int64_t n) {
-    for (int r = 0; r < count; r += 4) {
-      switch (std::min(4, count - r)) {
-        case 1: kquant_rows_of<T, 1>(first, group + r, n); break;
-        case 2: kquant_rows_of<T, 2>(first, group + r, n); break;
-        case 3: kquant_rows_of<T, 3>(first, group + r, n); break;
-        default: kquant_rows_of<T, 4>(first, group + r, n); break;
-      }
-    }
-  }
-
   template <int T, int count>
   void kquant_rows_of(int64_t first, const int* group, int64_t n) {
     constexpr bool six = T == Q6_K, five = T == Q5_K;
@@ -522,54 +496,34 @@ struct Work {
               xbsum.data() + (group[r] * blocks_per_row + b) * 16));
           sums[r] = _mm256_sub_epi32(sums[r], _mm256_slli_epi32(_mm256_madd_epi16(bsums, all_scales), 5));
         }
-        #pragma GCC unroll 2
-        for (int g = 0; g < 2; ++g) {
-          __m256i low[2] = {load32(ql + 64 * g), load32(ql + 64 * g + 32)};
-          __m256i high = load32(qhp + 32 * g);
+        #pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) {
+          __m256i q = q6_run(ql, qhp, k);
+          __m256i scale = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+              scales, _mm_load_si128(reinterpret_cast<const __m128i*>(kScalePairs[k]))));
           #pragma GCC unroll 4
-          for (int s = 0; s < 4; ++s) {
-            __m256i q = _mm256_or_si256(s < 2 ? _mm256_and_si256(low[s & 1], _mm256_set1_epi8(0x0F))
-                                              : nibbles(low[s & 1], 4),
-                                        high_crumbs(high, s));
-            __m256i scale = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
-                scales, _mm_load_si128(reinterpret_cast<const __m128i*>(kScalePairs[4 * g + s]))));
-            #pragma GCC unroll 4
-            for (int r = 0; r < count; ++r) {
-              __m256i xv = load32(reinterpret_cast<const uint8_t*>(xr[r] + 128 * g + 32 * s));
-              sums[r] = _mm256_add_epi32(sums[r],
-                                         _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), scale));
-            }
+          for (int r = 0; r < count; ++r) {
+            __m256i xv = load32(reinterpret_cast<const uint8_t*>(xr[r] + 32 * k));
+            sums[r] = _mm256_add_epi32(sums[r],
+                                       _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), scale));
           }
         }
       } else {
-        d = f16_fast(fields[0], block);
-        float dmin = f16_fast(fields[1], block);
-        const uint8_t* qs = at(fields[five ? 3 : 2], block);
-        const uint8_t* sc = at(fields[five ? 4 : 3], block);
-        const uint8_t* mn = at(fields[five ? 5 : 4], block);
-        __m256i qh = five ? load32(at(fields[2], block)) : _mm256_setzero_si256();
-        #pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) {
-          __m256i v = load32(qs + 32 * c);
-          #pragma GCC unroll 2
-          for (int h = 0; h < 2; ++h) {
-            int k = 2 * c + h;
-            __m256i q = h == 0 ? _mm256_and_si256(v, _mm256_set1_epi8(0x0F)) : nibbles(v, 4);
-            if (five) {
-              __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, k), _mm256_set1_epi8(1));
-              q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
-            }
-            __m256i scale = _mm256_set1_epi16(short(sc[k]));
-            #pragma GCC unroll 4
-            for (int r = 0; r < count; ++r) {
-              __m256i xv = load32(reinterpret_cast<const uint8_t*>(xr[r] + 32 * k));
-              sums[r] = _mm256_add_epi32(sums[r],
-                                         _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), scale));
-            }
+        KBlock kb = k_block(fields, block, five);
+        d = kb.d;
+        #pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) {
+          __m256i q = k_run(kb, k);
+          __m256i scale = _mm256_set1_epi16(short(kb.sc[k]));
+          #pragma GCC unroll 4
+          for (int r = 0; r < count; ++r) {
+            __m256i xv = load32(reinterpret_cast<const uint8_t*>(xr[r] + 32 * k));
+            sums[r] = _mm256_add_epi32(sums[r],
+                                       _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), scale));
           }
         }
-        __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn));
-        dmins = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8)));
+        __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(kb.mn));
+        dmins = _mm256_mul_ps(_mm256_set1_ps(kb.dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8)));
       }
       #pragma GCC unroll 4
       for (int r = 0; r < count; ++r) {
@@ -581,33 +535,6 @@ struct Work {
     #pragma GCC unroll 4
     for (int r = 0; r < count; ++r) {
       y[group[r] * out_rows + n] = horizontal_sum(acc[r]) - horizontal_sum(mins[r]);
-    }
-  }
-
-  // One output row for the rows of a group: up to 256 values unpacked at a time (one K-quant
-  // block, or 8 small blocks), then multiplied into every row.
-  void simd_row(int64_t first, const int* group, int count, int64_t n) {
-    switch (type) {
-      case Q8_0: return simd_rows<Q8_0>(first, group, count, n);
-      case Q4_0: return simd_rows<Q4_0>(first, group, count, n);
-      case Q4_1: return simd_rows<Q4_1>(first, group, count, n);
-      case Q5_0: return simd_rows<Q5_0>(first, group, count, n);
-      case Q5_1: return simd_rows<Q5_1>(first, group, count, n);
-      case Q4_K: return simd_rows<Q4_K>(first, group, count, n);
-      case Q5_K: return simd_rows<Q5_K>(first, group, count, n);
-      default: return simd_rows<Q6_K>(first, group, count, n);
-    }
-  }
-
-  template <int T>
-  void simd_rows(int64_t first, const int* group, int count, int64_t n) {
-    for (int r = 0; r < count; r += 4) {
-      switch (std::min(4, count - r)) {
-        case 1: simd_rows_of<T, 1>(first, group + r, n); break;
-        case 2: simd_rows_of<T, 2>(first, group + r, n); break;
-        case 3: simd_rows_of<T, 3>(first, group + r, n); break;
-        default: simd_rows_of<T, 4>(first, group + r, n); break;
-      }
     }
   }
 
@@ -659,6 +586,45 @@ struct Work {
       __m256 a = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
                                _mm256_add_ps(acc[r][2], acc[r][3]));
       y[group[r] * out_rows + n] = horizontal_sum(a) - mins[r];
+    }
+  }
+  // One output row for the rows of a group, by type and path. Rows go through in fours or
+  // fewer, each count its own compiled copy with its accumulators in registers; a row's
+  // arithmetic is the same in every copy.
+  template <bool kInt8, int T, int count>
+  void rows_of(int64_t first, const int* group, int64_t n) {
+    if constexpr (!kInt8) {
+      simd_rows_of<T, count>(first, group, n);
+    } else if constexpr (kBlock[T] == 256) {
+      kquant_rows_of<T, count>(first, group, n);
+    } else {
+      small_block_rows_of<T, count>(first, group, n);
+    }
+  }
+
+  template <bool kInt8, int T>
+  void rows_in_fours(int64_t first, const int* group, int count, int64_t n) {
+    for (int r = 0; r < count; r += 4) {
+      switch (std::min(4, count - r)) {
+        case 1: rows_of<kInt8, T, 1>(first, group + r, n); break;
+        case 2: rows_of<kInt8, T, 2>(first, group + r, n); break;
+        case 3: rows_of<kInt8, T, 3>(first, group + r, n); break;
+        default: rows_of<kInt8, T, 4>(first, group + r, n); break;
+      }
+    }
+  }
+
+  template <bool kInt8>
+  void simd_row(int64_t first, const int* group, int count, int64_t n) {
+    switch (type) {
+      case Q8_0: return rows_in_fours<kInt8, Q8_0>(first, group, count, n);
+      case Q4_0: return rows_in_fours<kInt8, Q4_0>(first, group, count, n);
+      case Q4_1: return rows_in_fours<kInt8, Q4_1>(first, group, count, n);
+      case Q5_0: return rows_in_fours<kInt8, Q5_0>(first, group, count, n);
+      case Q5_1: return rows_in_fours<kInt8, Q5_1>(first, group, count, n);
+      case Q4_K: return rows_in_fours<kInt8, Q4_K>(first, group, count, n);
+      case Q5_K: return rows_in_fours<kInt8, Q5_K>(first, group, count, n);
+      default: return rows_in_fours<kInt8, Q6_K>(first, group, count, n);
     }
   }
 #endif
