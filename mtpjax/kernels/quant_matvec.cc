@@ -669,6 +669,8 @@ struct Work {
   }
 };
 
+std::atomic<int> active_calls{0};
+
 ffi::Error QuantMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
                        ffi::RemainingArgs fields, ffi::ResultBuffer<ffi::F32> y,
                        int32_t type_code, int32_t int8_x) {
@@ -734,8 +736,14 @@ ffi::Error QuantMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   for (int i = 0; i < kFields[type_code]; ++i)
     bytes += work->fields[i].block_bytes * work->blocks_per_matrix;
   bytes *= int64_t(work->matrix.size());
-  int64_t helpers = bytes < kParallelBytes ? 0 : std::min<int64_t>(pool.num_threads(),
-                                                                  work->total_chunks - 1);
+  // XLA runs independent thunks at once (a gate and an up projection): a call that starts
+  // while another runs keeps to its own thread, so the cores are not oversubscribed.
+  struct Running {
+    int before = active_calls.fetch_add(1);
+    ~Running() { active_calls.fetch_sub(1); }
+  } running;
+  int64_t helpers = bytes < kParallelBytes || running.before > 0
+                        ? 0 : std::min<int64_t>(pool.num_threads(), work->total_chunks - 1);
   for (int64_t i = 0; i < helpers; ++i) {
     pool.Schedule([work] { work->drain(false); });
   }
