@@ -2,8 +2,8 @@
 
 References: `gguf.quants.dequantize` of random valid blocks (the exact values, picked out by unit
 rows), float64 numpy products of those values, the rounding bound of int8 rows written out here,
-and rows that int8 holds exactly. The build falls back to XLA's paths when it cannot run
-(checked in fresh processes).
+and rows that int8 holds exactly. Fresh processes check the portable path (built without AVX2,
+as on a CPU without it) and the fallback to XLA's paths when the kernel cannot build or is off.
 """
 
 import os
@@ -18,6 +18,8 @@ from absl.testing import absltest, parameterized
 from gguf import quants
 from gguf.constants import GGMLQuantizationType
 
+import mtpjax
+from fixtures import FIXTURES
 from mtpjax.gguf import quant_blocks
 from mtpjax.kernels import native
 from mtpjax.models import quantized
@@ -123,25 +125,73 @@ class NativeKernelTest(parameterized.TestCase):
       self.assertEqual("mtpjax_quant_matvec" in text, native_call, rows)
 
 
+  def test_bad_matrix_ids_are_an_error_not_a_read_out_of_bounds(self):
+    _, fields = _tensor("Q8_0", (2, 8, 64), seed=11)
+    with self.assertRaisesRegex(Exception, "matrix id out of range"):
+      _call(np.ones((1, 64)), np.array([2]), "Q8_0", fields)
+
+
+# A fresh process: the portable path (built without AVX2) against gguf-py's values, float32
+# and int8 rows (which it keeps in float32), and the model's logits with the kernel off.
+_PORTABLE_CHECK = """
+import numpy as np, jax.numpy as jnp
+from gguf import quants
+from gguf.constants import GGMLQuantizationType
+from mtpjax.gguf import quant_blocks
+from mtpjax.kernels import native
+from mtpjax.testing.random_blocks import random_valid_blocks
+assert native.available()
+for name in native.TYPE_NAMES:
+  width = 64 if quant_blocks.block_size(name) == 32 else 256
+  raw = random_valid_blocks(np.random.default_rng(0), name, (16, width))
+  want = quants.dequantize(raw, GGMLQuantizationType[name]).reshape(16, width)
+  f = quant_blocks.unpack(name, raw, (16, width))
+  fields = [jnp.asarray(f[n])[None] for n in quant_blocks.field_specs(name, (16, width))]
+  for int8 in (False, True):
+    got = native.quant_matvec(jnp.eye(width), jnp.zeros(width, jnp.int32), name, fields, int8)
+    np.testing.assert_array_equal(np.asarray(got).T, want, err_msg=name)
+print("portable ok")
+"""
+
+
 class NativeBuildTest(absltest.TestCase):
   """Fresh processes, since a process builds and registers the kernel once."""
 
-  def _available_in_a_fresh_process(self, **env) -> tuple[bool, str]:
+  def _run_fresh(self, code, **env) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory() as cache:
-      run = subprocess.run(
-          [sys.executable, "-c", "from mtpjax.kernels import native; print(native.available())"],
+      return subprocess.run(
+          [sys.executable, "-c", code],
           env={**os.environ, "MTPJAX_CACHE_DIR": cache, "JAX_PLATFORMS": "cpu", **env},
           capture_output=True, text=True, timeout=300, check=True)
+
+  def _available_in_a_fresh_process(self, **env) -> tuple[bool, str]:
+    run = self._run_fresh("from mtpjax.kernels import native; print(native.available())", **env)
     return run.stdout.strip() == "True", run.stderr
+
+  def test_the_portable_path_reads_the_exact_values(self):
+    machine = os.uname().machine
+    self.assertIn(machine, ("x86_64", "aarch64", "arm64"))
+    arch = "x86-64" if machine == "x86_64" else "armv8-a"
+    self.assertIn("portable ok", self._run_fresh(_PORTABLE_CHECK, MTPJAX_NATIVE_MARCH=arch).stdout)
 
   def test_no_compiler_falls_back_with_a_warning(self):
     available, log = self._available_in_a_fresh_process(CXX="/bin/false")
     self.assertFalse(available)
     self.assertIn("native CPU kernels unavailable", log)
 
-  def test_switched_off_by_the_environment(self):
+  def test_switched_off_by_the_environment_a_model_keeps_its_logits(self):
     available, _ = self._available_in_a_fresh_process(MTPJAX_NATIVE="0")
     self.assertFalse(available)
+    # XLA's paths (the fused loop's and tiles' exact values) against the kernel's, on the
+    # llama.cpp-made fixture: the same logits up to float rounding.
+    path = FIXTURES / "glm4moe-tiny" / "glm4moe_h64-Q8_0.gguf"
+    ids = np.load(FIXTURES / "glm4moe-tiny" / "hf_ref.npz")["token_ids"][:12]
+    with tempfile.TemporaryDirectory() as out:
+      self._run_fresh(
+          f"import mtpjax, numpy as np; np.save({out!r} + '/l.npy', "
+          f"mtpjax.load({str(path)!r}).logits(np.array({ids.tolist()})))", MTPJAX_NATIVE="0")
+      xla = np.load(f"{out}/l.npy")
+    np.testing.assert_allclose(xla, mtpjax.load(path).logits(ids), rtol=0, atol=1e-4)
 
 
 if __name__ == "__main__":

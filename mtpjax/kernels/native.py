@@ -2,9 +2,9 @@
 
 `quant_matvec.cc` contracts a few rows against GGUF-quantized matrices reading each block's
 integers once (see its header). It is built on first use with the C++ compiler (`$CXX`, else
-`g++`) for this CPU (`-march=native`) against the FFI headers jaxlib ships, into
-`$MTPJAX_CACHE_DIR/native` (default `~/.cache/mtpjax/native`), keyed by the source, the flags,
-jaxlib's version and the CPU, so later processes only load it. Where no compiler works, or
+`g++`) for this CPU (`-march=native`, or `$MTPJAX_NATIVE_MARCH`) against the FFI headers
+jaxlib ships, into `$MTPJAX_CACHE_DIR/native` (default `~/.cache/mtpjax/native`), keyed by the
+source, the flags, jaxlib's version and the CPU, so later processes only load it. Where no compiler works, or
 `MTPJAX_NATIVE=0`, `available()` is False and the callers keep their XLA paths (logged once).
 """
 
@@ -28,7 +28,7 @@ import numpy as np
 
 _SOURCE = pathlib.Path(__file__).with_name("quant_matvec.cc")
 _TARGET = "mtpjax_quant_matvec"
-_FLAGS = ("-O2", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 # GGUF type names in the kernel's TypeCode order.
 TYPE_NAMES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # Rows one call takes (the kernel's kMaxRows).
@@ -53,9 +53,15 @@ def _cpu_key() -> str:
     return platform.processor()
 
 
+def _flags() -> tuple[str, ...]:
+  """Compiler flags: the target is this CPU unless `MTPJAX_NATIVE_MARCH` names another (e.g.
+  x86-64, with no AVX2: the portable path, as on a CPU without it)."""
+  return (*_FLAGS, f"-march={os.environ.get('MTPJAX_NATIVE_MARCH', 'native')}")
+
+
 def library_path() -> pathlib.Path:
   key = hashlib.sha256("\0".join(
-      (_SOURCE.read_text(), " ".join(_FLAGS), jaxlib.__version__, platform.machine(),
+      (_SOURCE.read_text(), " ".join(_flags()), jaxlib.__version__, platform.machine(),
        _cpu_key())).encode()).hexdigest()[:16]
   return cache_dir() / f"quant_matvec-{key}.so"
 
@@ -70,7 +76,7 @@ def _compile(out: pathlib.Path) -> None:
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
   os.close(fd)
   try:
-    subprocess.run([compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp],
+    subprocess.run([compiler, *_flags(), f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp],
                    check=True, capture_output=True, text=True)
     os.replace(tmp, out)
   except subprocess.CalledProcessError as e:
@@ -110,9 +116,10 @@ def quant_matvec(x: jax.Array, ids: jax.Array, type_name: str, fields: list[jax.
                  int8_activations: bool = False) -> jax.Array:
   """Rows `x [R, K]` (R <= MAX_ROWS) against quantized matrices: row r against matrix
   `ids[r]` of fields shaped `[E, N, nb, ...]` (`quant_blocks.field_specs` order): `[R, N]`
-  float32. `int8_activations`: each row of x rounded per 32 values to int8 and a float32
-  scale, as llama.cpp multiplies (about 4x less arithmetic; the weights stay exact, results
-  move by the rounding of x); Q2_K / Q3_K keep float32 rows. Only where `available()`."""
+  float32. `int8_activations`: each row of x rounded per weight block (32 values, 256 for
+  K-quants) to int8 and a float32 scale, as llama.cpp multiplies (about 3x less arithmetic;
+  the weights stay exact, results move by the rounding of x); Q2_K / Q3_K, and every type
+  where the CPU has no AVX2 (the portable path), keep float32 rows. Only where `available()`."""
   if not available():
     raise RuntimeError("native CPU kernels are not available (see the log)")
   out = jax.ShapeDtypeStruct((x.shape[0], fields[0].shape[1]), jnp.float32)
