@@ -3,7 +3,8 @@
 Each round runs llama.cpp's `llama-bench` (`tg128` and `pp512`, at each --threads value) and
 then mtpjax (MTP off, batch 1: the mean decode step over --decode_tokens tokens, and one
 prefill of a --prefill_tokens bucket) in each --activations mode, so that drift of this shared
-machine hits every side alike. mtpjax runs on XLA's CPU client with its default threads (every core).
+machine hits every side alike. mtpjax runs on XLA's CPU client with its default threads (every
+core).
 
 Reported beside the ratios: the weight bytes each side reads per decoded token. mtpjax: the
 parameter bytes of a plain decode step (`models/traffic.py`: routed experts counted at top-k of
@@ -93,7 +94,8 @@ def main(argv):
     engines = {}
     for mode, loaded in models.items():
       engines[mode] = loaded.engine(
-          native_mtp=False, slots=1, max_len=max(_PREFILL_TOKENS.value, 8 + _DECODE_TOKENS.value + 1),
+          native_mtp=False, slots=1,
+          max_len=max(_PREFILL_TOKENS.value, 8 + _DECODE_TOKENS.value + 1),
           prefill_buckets=(pow2_bucket(9), _PREFILL_TOKENS.value))
       warm_up(engines[mode])
     load_s = time.perf_counter() - start

@@ -1,12 +1,12 @@
 """Native CPU kernels, compiled once per machine and registered with XLA as FFI targets.
 
-`quant_matvec.cc` contracts a few rows against GGUF-quantized matrices reading each block's
-integers once (see its header). It is built on first use with the C++ compiler (`$CXX`, else
-`g++`) for this CPU (`-march=native`, or `$MTPJAX_NATIVE_MARCH`) against the FFI headers
-jaxlib ships, into `$MTPJAX_CACHE_DIR/native` (default `~/.cache/mtpjax/native`), keyed by the
-source, the flags, jaxlib's version and the CPU, so later processes only load it. Where no compiler works, or
-`MTPJAX_NATIVE=0`, `available()` is False and the callers keep their XLA paths (logged once).
-"""
+`quant_matvec.cc` (with `quant_blocks.h`) contracts a few rows against GGUF-quantized matrices
+reading each block's integers once (see its header). It is built on first use with the C++
+compiler (`$CXX`, else `g++`) for this CPU (`-march=native`, or `$MTPJAX_NATIVE_MARCH`) against
+the FFI headers jaxlib ships, into `$MTPJAX_CACHE_DIR/native` (default `~/.cache/mtpjax/native`),
+keyed by the sources, the flags, jaxlib's version and the CPU, so later processes only load it.
+Where no compiler works, or `MTPJAX_NATIVE=0`, `available()` is False and the callers keep their
+XLA paths (logged once)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import jaxlib
 import numpy as np
 
 _SOURCE = pathlib.Path(__file__).with_name("quant_matvec.cc")
+_SOURCES = (_SOURCE, _SOURCE.with_name("quant_blocks.h"))   # what the library is built from
 _TARGET = "mtpjax_quant_matvec"
 _FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 # GGUF type names in the kernel's TypeCode order.
@@ -61,8 +62,8 @@ def _flags() -> tuple[str, ...]:
 
 def library_path() -> pathlib.Path:
   key = hashlib.sha256("\0".join(
-      (_SOURCE.read_text(), " ".join(_flags()), jaxlib.__version__, platform.machine(),
-       _cpu_key())).encode()).hexdigest()[:16]
+      (*(p.read_text() for p in _SOURCES), " ".join(_flags()), jaxlib.__version__,
+       platform.machine(), _cpu_key())).encode()).hexdigest()[:16]
   return cache_dir() / f"quant_matvec-{key}.so"
 
 

@@ -16,13 +16,13 @@ Contraction (`matmul`, `contract`), by backend:
 - accelerators: up to FUSED_ROWS rows (decode, verify) multiply and reduce against the values
   computed from the integers inside one XLA loop, so no dense weight is materialized; more rows
   (prefill) dequantize the matrix once and use the backend's GEMM;
-- XLA:CPU: up to NATIVE_ROWS rows a matrix go to the native kernel (`kernels/quant_matvec.cc`), which
-  unpacks each block once into the same float32 values and multiplies it into every row
-  (`native_contract`); more rows, or where the kernel cannot be built, a tile of output rows
-  at a time (2 MB of float32 values) is dequantized (in cache) and contracted by a dot
-  (`tiled_contract`). XLA's own fused reduction vectorizes badly there (0.5-2 G elements/s on
-  2 cores) and a whole-matrix dequantize writes the float32 matrix to memory (1.3 GB for a
-  155K-row vocabulary head) before the GEMM reads it back.
+- XLA:CPU: up to NATIVE_ROWS rows a matrix go to the native kernel
+  (`kernels/quant_matvec.cc`), which unpacks each block's integers once and multiplies them
+  into every row (`native_contract`); more rows, or where the kernel cannot be built, a tile
+  of output rows at a time (2 MB of float32 values) is dequantized (in cache) and contracted
+  by a dot (`tiled_contract`). XLA's own fused reduction vectorizes badly there (0.5-2 G
+  elements/s on 2 cores) and a whole-matrix dequantize writes the float32 matrix to memory
+  (1.3 GB for a 155K-row vocabulary head) before the GEMM reads it back.
 """
 
 from __future__ import annotations
