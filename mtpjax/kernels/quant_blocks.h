@@ -18,6 +18,9 @@ enum TypeCode { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, NUM_
 
 constexpr int kBlock[NUM_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256, 256, 256};
 constexpr int kFields[NUM_TYPES] = {2, 2, 3, 3, 4, 4, 4, 5, 6, 4};
+// Types whose values carry a min (w = s * q - m, q >= 0): their products need the sums of x.
+constexpr bool kHasMin[NUM_TYPES] = {false, false, true, false, true,
+                                     false, false, true, true, false};
 
 // IEEE half bits -> float, exact (normals, subnormals, inf, nan).
 inline float half_to_float(uint16_t h) {
@@ -73,7 +76,7 @@ inline void dequantize_block(int t, const Field* f, int64_t b, float* w) {
     case Q5_0:
     case Q5_1: {  // d, [m], [qh], qs
       float d = f16_at(f[0], b);
-      bool has_min = t == Q4_1 || t == Q5_1;
+      bool has_min = kHasMin[t];
       bool five = t == Q5_0 || t == Q5_1;
       float m = has_min ? f16_at(f[1], b) : 0.0f;
       const uint8_t* qh = five ? at(f[has_min ? 2 : 1], b) : nullptr;
@@ -281,7 +284,7 @@ inline int simd_runs(int t, const Field* f, int64_t b, Run* runs) {
     case Q4_1:
     case Q5_0:
     case Q5_1: {
-      bool has_min = t == Q4_1 || t == Q5_1, five = t == Q5_0 || t == Q5_1;
+      bool has_min = kHasMin[t], five = t == Q5_0 || t == Q5_1;
       float d = f16_fast(f[0], b);
       float m = has_min ? -f16_fast(f[1], b) : 0.0f;
       __m256i q = split_nibbles16(at(f[kFields[t] - 1], b));

@@ -61,7 +61,7 @@ struct Work {
   bool int8_x = false;
   std::vector<int8_t> xq;
   std::vector<float> xscale, xsum;
-  std::vector<int16_t> xbsum;   // [R, K / 16] sums of the int8 values (K-quants)
+  std::vector<int16_t> xbsum;   // [R, K / 16] sums of the int8 values (Q6_K)
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
@@ -98,7 +98,8 @@ struct Work {
   }
 
   // x rounded per block of the weight type (32, or 256 for K-quants as llama.cpp's Q8_K) to
-  // int8 times xscale [R, K / block], and xbsum [R, K / 16] the sums of the int8 values.
+  // int8 times xscale [R, K / block]; for Q6_K (whose offset of 32 they take off) xbsum
+  // [R, K / 16], the sums of the int8 values.
   void quantize_rows() {
     int block = kBlock[type];
     int64_t groups = width / block;
@@ -112,6 +113,7 @@ struct Work {
       for (int i = 0; i < block; ++i) xq[g * block + i] = int8_t(std::nearbyint(v[i] * inverse));
       xscale[g] = amax / 127.0f;
     }
+    if (type != Q6_K) return;
     xbsum.resize(rows * width / 16);
     for (int64_t g = 0; g < rows * width / 16; ++g) {
       int sum = 0;
@@ -125,7 +127,7 @@ struct Work {
   // the block's and the row's scales.
   template <int T, int count>
   void small_block_rows_of(int64_t first, const int* group, int64_t n) {
-    constexpr bool nonneg = T == Q4_1 || T == Q5_1;
+    constexpr bool nonneg = kHasMin[T];
     __m256 acc[count][2];
     float mins[count];
     const int8_t* xr[count];
@@ -245,7 +247,7 @@ struct Work {
   template <int T, int count>
   void simd_rows_of(int64_t first, const int* group, int64_t n) {
     constexpr int block = kBlock[T];
-    constexpr bool has_min = T == Q4_1 || T == Q5_1 || T == Q4_K || T == Q5_K;
+    constexpr bool has_min = kHasMin[T];
     __m256 acc[count][4];
     float mins[count];
     const float* xs[count];
@@ -428,7 +430,7 @@ ffi::Error QuantMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   work->starts.push_back(int(work->rows));
   work->order = std::move(order);
   work->int8_x = int8_x != 0;
-  work->sum_rows();
+  if (kHasMin[type_code]) work->sum_rows();
   if (work->int8_x) work->quantize_rows();
   work->chunks_per_group = (work->out_rows + kChunkRows - 1) / kChunkRows;
   work->total_chunks = work->chunks_per_group * int64_t(work->matrix.size());
