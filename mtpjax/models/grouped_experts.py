@@ -61,17 +61,16 @@ def _native_pairs(x, expert_ids, gate, up, down):
   return _unsort(project(act, down), order, *expert_ids.shape)
 
 
-def _takes_native(x, expert_ids, *weights) -> bool:
-  return (jax.default_backend() == "cpu"
-          and all(isinstance(w, quantized.QuantizedTensor) for w in weights)
-          and all(quantized._native_rows(w.type_name, expert_ids.size) for w in weights))
+def _takes_native(expert_ids, *weights) -> bool:
+  return all(isinstance(w, quantized.QuantizedTensor)
+             and quantized.takes_native(w.type_name, expert_ids.size) for w in weights)
 
 
 def pairwise(x, expert_ids, gate, up, down):
   """A loop over the pairs sorted by expert: each iteration reads one expert by id (a repeat of
   the previous pair's expert is still in cache) and contracts one row against its integers,
   so no per-pair weight copies or broadcast rows are materialized."""
-  if _takes_native(x, expert_ids, gate, up, down):
+  if _takes_native(expert_ids, gate, up, down):
     return _native_pairs(x, expert_ids, gate, up, down)
   order, experts, rows = _sorted_pairs(expert_ids)
 

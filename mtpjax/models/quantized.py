@@ -64,10 +64,9 @@ class QuantizedTensor(nnx.Module):
       setattr(self, name, nnx.Param(jnp.zeros(field_shape, dtype)))
 
   @classmethod
-  def from_raw(cls, type_name: str, raw, shape: tuple[int, ...],
-               int8_activations: bool = False) -> "QuantizedTensor":
+  def from_raw(cls, type_name: str, raw, shape: tuple[int, ...]) -> "QuantizedTensor":
     """A tensor holding the GGUF blocks `raw` (bytes of a `shape` tensor, in file order)."""
-    tensor = cls(type_name, shape, int8_activations)
+    tensor = cls(type_name, shape)
     for name, array in quant_blocks.unpack(type_name, raw, shape).items():
       getattr(tensor, name)[...] = jnp.asarray(array)
     return tensor
@@ -213,10 +212,10 @@ def contract(x: jax.Array, type_name: str, fields: dict[str, jax.Array],
              int8_activations: bool = False) -> jax.Array:
   """`x [..., in]` against one quantized `[out, in]` matrix's fields: `[..., out]` in x's dtype,
   read the way this backend reads the integers fastest (see the module docstring)."""
+  if takes_native(type_name, math.prod(x.shape[:-1])):
+    y = native_contract(x.reshape(-1, x.shape[-1]), None, type_name, fields, int8_activations)
+    return y.reshape(x.shape[:-1] + (-1,)).astype(x.dtype)
   if jax.default_backend() == "cpu":
-    if _native_rows(type_name, math.prod(x.shape[:-1])):
-      y = native_contract(x.reshape(-1, x.shape[-1]), None, type_name, fields, int8_activations)
-      return y.reshape(x.shape[:-1] + (-1,)).astype(x.dtype)
     tile = _tile_rows(fields["d"].shape[0], x.shape[-1])
     if tile:
       return tiled_contract(x, type_name, fields, tile)
@@ -229,23 +228,24 @@ def contract_heads(x: jax.Array, type_name: str, fields: dict[str, jax.Array],
                    int8_activations: bool = False) -> jax.Array:
   """`x [..., H, in]` against quantized per-head `[H, out, in]` fields: `[..., H, out]` float32.
   Accelerators read few rows in the fused loop (the heads broadcast like gathered experts);
-  more rows, and XLA:CPU, contract the exact float32 values of all heads at once (on XLA:CPU a
-  per-head loop or a vmapped tile costs as much, measured on GLM-4.7-Flash's shapes)."""
+  XLA:CPU's decode rows go to the native kernel, a matrix per head; more rows contract the
+  exact float32 values of all heads at once."""
   x = x.astype(F32)
   if jax.default_backend() != "cpu" and math.prod(x.shape[:-2]) <= FUSED_ROWS:
     return fused_contract(x, type_name, fields)
-  heads = x.shape[-2]
-  if jax.default_backend() == "cpu" and _native_rows(type_name, math.prod(x.shape[:-2])):
+  if takes_native(type_name, math.prod(x.shape[:-2])):
     rows = x.reshape(-1, x.shape[-1])
-    ids = jnp.tile(jnp.arange(heads, dtype=jnp.int32), rows.shape[0] // heads)
+    ids = jnp.tile(jnp.arange(x.shape[-2], dtype=jnp.int32), rows.shape[0] // x.shape[-2])
     return native_contract(rows, ids, type_name, fields,
                            int8_activations).reshape(x.shape[:-1] + (-1,))
   return jnp.einsum("...hi,hoi->...ho", x, dequantize_fields(type_name, fields))
 
 
-def _native_rows(type_name: str, rows: int) -> bool:
-  """Whether `rows` rows a matrix of `type_name` take the native kernel (at trace time)."""
-  return 0 < rows <= NATIVE_ROWS and type_name in native.TYPE_NAMES and native.available()
+def takes_native(type_name: str, rows: int) -> bool:
+  """Whether `rows` rows a matrix of `type_name` take the native kernel: on XLA:CPU, up to
+  NATIVE_ROWS, where the kernel built (decided at trace time)."""
+  return (jax.default_backend() == "cpu" and 0 < rows <= NATIVE_ROWS
+          and type_name in native.TYPE_NAMES and native.available())
 
 
 def native_contract(x: jax.Array, ids: jax.Array | None, type_name: str,
