@@ -172,13 +172,16 @@ class _BudgetSandbox(ChatSandbox):
 
   def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
     meter = _tick()
-    name = getattr(__obj, "__name__", None)
-    if meter is not None and isinstance(getattr(__obj, "__self__", None), str):
+    # jinja >= 3.1.5 hands templates `str.format` wrapped (its sandboxed formatter), without
+    # `__self__`; the bound method it wraps says which string formats.
+    method = getattr(__obj, "__wrapped__", __obj)
+    name = getattr(method, "__name__", None)
+    if meter is not None and isinstance(getattr(method, "__self__", None), str):
       if name in _WIDTH_METHODS and args and isinstance(args[0], int):
         meter.check_size(args[0], "a string")
       elif name in ("format", "format_map"):
-        _check_format(meter, __obj.__self__, kwargs or (args[0] if name == "format_map"
-                                                       and args else args))
+        _check_format(meter, method.__self__, kwargs or (args[0] if name == "format_map"
+                                                        and args else args))
     return super().call(__context, __obj, *args, **kwargs)
 
   def call_binop(self, context, operator, left, right):
