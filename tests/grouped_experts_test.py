@@ -27,6 +27,26 @@ def _numpy_reference(x, ids, gate, up, down):
   return out
 
 
+def _rounded(v, block=32):
+  """Rows rounded per block to int8 times amax / 127, in float32 (the kernel's int8 rows)."""
+  v = np.asarray(v, np.float32)
+  amax = np.abs(v).reshape(v.shape[0], -1, block).max(-1, keepdims=True)
+  q = np.rint(v.reshape(v.shape[0], -1, block) * (np.float32(127) / amax))
+  return (q * (amax / np.float32(127))).reshape(v.shape).astype(np.float64)
+
+
+def _int8_reference(x, ids, gate, up, down):
+  """The SwiGLU of `_numpy_reference` with every projection's input rounded to int8 rows."""
+  out = np.zeros(ids.shape + (x.shape[1],), np.float64)
+  xr = _rounded(x)
+  for n in range(ids.shape[0]):
+    for k, e in enumerate(ids[n]):
+      g, u = gate[e] @ xr[n], up[e] @ xr[n]
+      act = (g / (1 + np.exp(-g)) * u).astype(np.float32)
+      out[n, k] = down[e] @ _rounded(act[None])[0]
+  return out
+
+
 def _quantized(rng, shape):
   """A Q8_0 expert stack from real quantization of random values, and its dequantization."""
   values = rng.standard_normal(shape).astype(np.float32) * 0.2
@@ -62,6 +82,24 @@ class GroupedExpertsTest(parameterized.TestCase):
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-4, rtol=1e-4)
     ref = jax.jit(grouped_experts.every_expert)(jnp.asarray(x), jnp.asarray(ids), *weights)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-4, rtol=1e-4)
+
+  def test_int8_rows_of_a_prefill_take_the_kernel_and_equal_each_row_alone(self):
+    # With int8 rows the native kernel takes any number of rows (40 here, past PAIR_ROWS):
+    # the int8 numpy reference, and each row bit for bit as a decode step of one row gets it.
+    x, ids = self._rows(40, 3)
+    weights = tuple(QuantizedTensor.from_raw("Q8_0", quants.quantize(d, GGMLQuantizationType.Q8_0),
+                                             d.shape) for d in self.dense)
+    for w in weights:
+      w.int8_activations = True
+    routed = jax.jit(grouped_experts.routed)
+    self.assertIn("mtpjax_quant_matvec", routed.lower(jnp.asarray(x), jnp.asarray(ids),
+                                                      *weights).as_text())
+    got = np.asarray(routed(jnp.asarray(x), jnp.asarray(ids), *weights))
+    want = _int8_reference(x, ids, *self.dense)
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
+    for n in (0, 17, 39):
+      alone = routed(jnp.asarray(x[n:n + 1]), jnp.asarray(ids[n:n + 1]), *weights)
+      np.testing.assert_array_equal(np.asarray(alone)[0], got[n])
 
   def test_small_tiles_span_several_tiles_per_expert(self):
     x, ids = self._rows(40, 2)

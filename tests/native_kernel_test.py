@@ -77,28 +77,49 @@ class NativeKernelTest(parameterized.TestCase):
   def test_a_rows_result_does_not_depend_on_the_other_rows(self):
     # What makes MTP on (a verify of k rows) equal MTP off (one row a step) bit for bit, with
     # the work split over threads in both.
+    # 70 rows: matrix 1's 45 rows span two tiles of the kernel's rows (32 a tile).
+    ids = np.random.default_rng(3).permutation(np.repeat([1, 0], [45, 25]))
     for type_name in ("Q4_K", "Q6_K", "Q8_0"):
       _, fields = _tensor(type_name, (2, 2048, 256), seed=4, max_scale=0.01)
-      x = np.random.default_rng(5).standard_normal((5, 256)).astype(np.float32)
-      ids = np.array([1, 0, 1, 1, 0])
+      x = np.random.default_rng(5).standard_normal((len(ids), 256)).astype(np.float32)
       for int8 in (False, True):
         together = _call(x, ids, type_name, fields, int8)
-        for r in range(5):
+        for r in range(len(ids)):
           alone = _call(x[r:r + 1], ids[r:r + 1], type_name, fields, int8)
           np.testing.assert_array_equal(alone[0], together[r], err_msg=f"{type_name} {int8}")
 
+  def test_more_rows_than_one_call_takes_are_split_exactly(self):
+    values, fields = _tensor("Q8_0", (2, 8, 64), seed=12)
+    rows = native.MAX_ROWS + 3
+    x = np.random.default_rng(13).standard_normal((rows, 64)).astype(np.float32)
+    ids = np.arange(rows) % 2
+    want = np.einsum("ri,roi->ro", x.astype(np.float64), values[ids].astype(np.float64))
+    for int8 in (False, True):
+      got = _call(x, ids, "Q8_0", fields, int8)
+      tolerance = 0.02 if int8 else 2e-6   # int8 rows: their rounding (bounded above)
+      np.testing.assert_allclose(got, want, rtol=0, atol=tolerance * np.abs(want).max())
+      for r in (0, native.MAX_ROWS - 1, native.MAX_ROWS, rows - 1):
+        alone = _call(x[r:r + 1], ids[r:r + 1], "Q8_0", fields, int8)
+        np.testing.assert_array_equal(alone[0], got[r], err_msg=f"row {r}, int8 {int8}")
+
   @parameterized.parameters(*_INT8_TYPES)
-  def test_int8_rows_lose_at_most_their_rounding(self, type_name):
-    # Each row is rounded per weight block to int8 x its scale amax / 127, so a product can
-    # move by at most sum_i |w_i| * scale_i / 2 (plus float rounding).
+  def test_int8_rows_give_the_exact_product_with_the_rows_rounded(self, type_name):
+    # Each row is rounded per weight block (32 values, 256 for K-quants) to int8 times the
+    # scale amax / 127 (in float32, ties to even); the result is the exact weights' product
+    # with that rounded row, mins' terms included (as llama.cpp's Q8 vectors give), so it
+    # moves from the float row's product by at most sum_i |w_i| * scale_i / 2.
     width = _WIDTH[type_name]
     block = quant_blocks.block_size(type_name)
     values, fields = _tensor(type_name, (1, 64, width), seed=6, max_scale=0.01)
     x = np.random.default_rng(7).standard_normal((3, width)).astype(np.float32)
-    exact = x.astype(np.float64) @ values[0].T.astype(np.float64)
-    scale = np.repeat(np.abs(x).reshape(3, -1, block).max(-1) / 127.0, block, axis=1)
-    bound = 0.5 * scale @ np.abs(values[0]).T.astype(np.float64)
+    amax = np.abs(x).reshape(3, -1, block).max(-1, keepdims=True)
+    q = np.rint(x.reshape(3, -1, block) * (np.float32(127) / amax))
+    rounded = (q * (amax / np.float32(127))).reshape(3, width).astype(np.float64)
+    want = rounded @ values[0].T.astype(np.float64)
     got = _call(x, np.zeros(3), type_name, fields, int8=True)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    exact = x.astype(np.float64) @ values[0].T.astype(np.float64)
+    bound = 0.5 * np.repeat(amax[..., 0] / 127.0, block, axis=1) @ np.abs(values[0]).T
     self.assertTrue(np.all(np.abs(got - exact) <= bound + 1e-5 * np.abs(exact).max()))
     self.assertGreater(np.abs(got - exact).max(), 0.0)   # the rows were rounded
 
@@ -114,15 +135,24 @@ class NativeKernelTest(parameterized.TestCase):
     got = _call(x, np.zeros(2), type_name, fields, int8=True)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
 
-  def test_quantized_contract_takes_the_kernel_for_few_rows(self):
-    # Decode rows go to the native kernel on XLA:CPU; prefill-sized row counts do not.
-    _, fields = _tensor("Q4_K", (512, 256), seed=10)
-    named = dict(zip(quant_blocks.field_specs("Q4_K", (512, 256)), fields))
-    for rows, native_call in ((1, True), (quantized.NATIVE_ROWS, True),
-                              (quantized.NATIVE_ROWS + 1, False)):
-      x = jax.ShapeDtypeStruct((rows, 256), jnp.float32)
-      text = jax.jit(quantized.contract, static_argnums=1).lower(x, "Q4_K", named).as_text()
-      self.assertEqual("mtpjax_quant_matvec" in text, native_call, rows)
+  @parameterized.parameters(
+      # float32 rows: decode rows go to the kernel on XLA:CPU, prefill-sized counts do not
+      ("Q4_K", False, 1, True), ("Q4_K", False, quantized.NATIVE_ROWS, True),
+      ("Q4_K", False, quantized.NATIVE_ROWS + 1, False),
+      # int8 rows multiplied as integers: every count (a prefill's too)
+      ("Q4_K", True, quantized.NATIVE_ROWS + 1, True), ("Q6_K", True, 600, True),
+      # Q2_K keeps float32 rows in the kernel, so its prefill stays with XLA
+      ("Q2_K", True, quantized.NATIVE_ROWS, True), ("Q2_K", True, quantized.NATIVE_ROWS + 1, False))
+  def test_quantized_contract_takes_the_kernel_for_its_rows(self, type_name, int8, rows,
+                                                            native_call):
+    self.assertTrue(native.integer_rows("Q4_K"))   # this machine's build has AVX2
+    shape = (512, 256)
+    fields = quant_blocks.unpack(type_name, random_valid_blocks(
+        np.random.default_rng(10), type_name, shape), shape)
+    x = jax.ShapeDtypeStruct((rows, 256), jnp.float32)
+    text = jax.jit(quantized.contract, static_argnums=(1, 3)).lower(
+        x, type_name, {k: jnp.asarray(v) for k, v in fields.items()}, int8).as_text()
+    self.assertEqual("mtpjax_quant_matvec" in text, native_call)
 
 
   def test_bad_matrix_ids_are_an_error_not_a_read_out_of_bounds(self):
@@ -141,6 +171,7 @@ from mtpjax.gguf import quant_blocks
 from mtpjax.kernels import native
 from mtpjax.testing.random_blocks import random_valid_blocks
 assert native.available()
+assert not any(map(native.integer_rows, native.TYPE_NAMES))   # no integer path to prefer
 for name in native.TYPE_NAMES:
   width = 64 if quant_blocks.block_size(name) == 32 else 256
   raw = random_valid_blocks(np.random.default_rng(0), name, (16, width))

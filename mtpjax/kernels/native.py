@@ -32,8 +32,11 @@ _TARGET = "mtpjax_quant_matvec"
 _FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 # GGUF type names in the kernel's TypeCode order.
 TYPE_NAMES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-# Rows one call takes (the kernel's kMaxRows).
+# Rows one kernel call takes (its kMaxRows); `quant_matvec` splits longer calls.
 MAX_ROWS = 4096
+# Types whose int8 rows the kernel multiplies as integers where `integer_rows()` (Q2_K and Q3_K
+# keep float32 rows).
+INTEGER_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -113,16 +116,27 @@ def _load() -> bool:
   return True
 
 
+def integer_rows(type_name: str) -> bool:
+  """Whether int8 rows against `type_name` multiply as integers here (the build has AVX2), so
+  that any number of rows (a prefill too) is faster through the kernel than through XLA."""
+  return (type_name in INTEGER_TYPES and available()
+          and bool(_state["library"].MtpjaxIntegerRows()))
+
+
 def quant_matvec(x: jax.Array, ids: jax.Array, type_name: str, fields: list[jax.Array],
                  int8_activations: bool = False) -> jax.Array:
-  """Rows `x [R, K]` (R <= MAX_ROWS) against quantized matrices: row r against matrix
+  """Rows `x [R, K]` against quantized matrices: row r against matrix
   `ids[r]` of fields shaped `[E, N, nb, ...]` (`quant_blocks.field_specs` order): `[R, N]`
   float32. `int8_activations`: each row of x rounded per weight block (32 values, 256 for
   K-quants) to int8 and a float32 scale, as llama.cpp multiplies (about 3x less arithmetic;
-  the weights stay exact, results move by the rounding of x); Q2_K / Q3_K, and every type
+  a result is the exact weights' product with the rounded row); Q2_K / Q3_K, and every type
   where the CPU has no AVX2 (the portable path), keep float32 rows. Only where `available()`."""
   if not available():
     raise RuntimeError("native CPU kernels are not available (see the log)")
+  if x.shape[0] > MAX_ROWS:   # a row's result does not depend on the others: split exactly
+    return jnp.concatenate([
+        quant_matvec(x[r:r + MAX_ROWS], ids[r:r + MAX_ROWS], type_name, fields,
+                     int8_activations) for r in range(0, x.shape[0], MAX_ROWS)])
   out = jax.ShapeDtypeStruct((x.shape[0], fields[0].shape[1]), jnp.float32)
   call = jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")
   return call(x.astype(jnp.float32), ids.astype(jnp.int32), *fields,

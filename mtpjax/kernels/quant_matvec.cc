@@ -7,7 +7,8 @@
 // - float32 rows: each 32-value run's integers times the row, the run's scales applied to the
 //   partial sums (s * sum(q x) - m * sum(x)); a unit row reads gguf-py's value exactly;
 // - int8 rows (`int8_x`): each row rounded per block to int8 and a scale, multiplied as
-//   integers (maddubs / madd), as llama.cpp does;
+//   integers (maddubs / madd), as llama.cpp does: the exact weights' product with the rounded
+//   row;
 // - without AVX2, and for Q2_K / Q3_K: the block's float32 values (`dequantize_block`).
 // A row's arithmetic is fixed, so its result does not depend on the other rows of the call or
 // on the thread count.
@@ -15,9 +16,10 @@
 // Call (see mtpjax/kernels/native.py): x f32 [R, K], ids s32 [R] (the matrix each row reads:
 // an expert, a head, or 0), then the tensor's fields in `quant_blocks.field_specs` order, each
 // [E, N, nb, ...]; attributes `type_code` (TYPE_NAMES in native.py) and `int8_x`; result f32
-// [R, N]. Output rows are split into chunks that XLA's intra-op threads take from one counter;
-// the calling thread takes chunks too and waits only for chunks already taken, so no wait
-// depends on a task that has not started.
+// [R, N]. The rows of each matrix are cut into tiles of up to 32 and its output rows into
+// chunks of 32; XLA's intra-op threads take (tile, chunk) pairs from one counter, the calling
+// thread too, and it waits only for pairs already taken, so no wait depends on a task that
+// has not started. Tiles keep a prefill's rows (hundreds against one matrix) in cache.
 
 #include <algorithm>
 #include <atomic>
@@ -40,6 +42,9 @@ using namespace mtpjax_blocks;
 constexpr int kMaxRows = 4096;  // native.MAX_ROWS
 constexpr int kScalarRows = 64;  // rows a scalar pass keeps accumulators for
 constexpr int kChunkRows = 32;
+// Rows of x a chunk multiplies (a tile of its group): a tile's int8 rows (32 x K bytes) and a
+// chunk's blocks stay in a core's L2 while every output row of the chunk reads them.
+constexpr int kTileRows = 32;
 // Below this many weight bytes a call runs on the calling thread alone.
 constexpr int64_t kParallelBytes = 1 << 18;
 
@@ -52,12 +57,15 @@ struct Work {
   const float* x = nullptr;
   float* y = nullptr;
   Field fields[6];
-  // Rows grouped by the matrix they read: group g is rows order[starts[g] .. starts[g+1]).
-  std::vector<int> order, starts, matrix;
-  int64_t chunks_per_group = 0, total_chunks = 0;
-  // int8 activations (`int8_x`): each row of x rounded per 32 values to int8 times a float32
-  // scale (amax / 127), as llama.cpp's Q8 vectors, with the exact float sum of each 32 values
-  // for the types with a min. Blocks then multiply as integers.
+  // Rows grouped by the matrix they read: group g is rows order[starts[g] .. starts[g+1]),
+  // cut into tiles of at most kTileRows rows (tile t: rows order[tile_start[t] ..
+  // tile_start[t + 1]) of group tile_group[t]).
+  std::vector<int> order, starts, matrix, tile_start, tile_group;
+  int64_t chunks_per_tile = 0, total_chunks = 0;
+  // int8 activations (`int8_x`): each row of x rounded per weight block to int8 times a
+  // float32 scale (amax / 127), as llama.cpp's Q8 vectors, and for the types with a min the
+  // sums of each 32 rounded values: a result is then the exact weights' product with the
+  // rounded row, as llama.cpp's. Blocks multiply as integers.
   bool int8_x = false;
   std::vector<int8_t> xq;
   std::vector<float> xscale, xsum;
@@ -66,11 +74,12 @@ struct Work {
   std::atomic<int64_t> done{0};
 
   void run_chunk(int64_t chunk) {
-    int64_t g = chunk / chunks_per_group;
-    int64_t n0 = (chunk % chunks_per_group) * kChunkRows;
+    int64_t t = chunk / chunks_per_tile;
+    int64_t n0 = (chunk % chunks_per_tile) * kChunkRows;
     int64_t n1 = std::min(out_rows, n0 + kChunkRows);
-    const int* group = order.data() + starts[g];
-    int count = starts[g + 1] - starts[g];
+    int g = tile_group[t];
+    const int* group = order.data() + tile_start[t];
+    int count = tile_start[t + 1] - tile_start[t];
     for (int64_t n = n0; n < n1; ++n) {
       int64_t first = matrix[g] * blocks_per_matrix + n * blocks_per_row;
 #ifdef MTPJAX_SIMD
@@ -87,7 +96,8 @@ struct Work {
     }
   }
 
-  // The float sums of each 32 values of every row (the mins' term), xsum [R, K / 32].
+  // The float sums of each 32 values of every row (the mins' term), xsum [R, K / 32]
+  // (`quantize_rows` replaces them by the rounded rows' sums).
   void sum_rows() {
     xsum.resize(rows * width / 32);
     for (int64_t g = 0; g < rows * width / 32; ++g) {
@@ -112,6 +122,14 @@ struct Work {
       float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
       for (int i = 0; i < block; ++i) xq[g * block + i] = int8_t(std::nearbyint(v[i] * inverse));
       xscale[g] = amax / 127.0f;
+    }
+    if (kHasMin[type]) {
+      xsum.resize(rows * width / 32);
+      for (int64_t g = 0; g < rows * width / 32; ++g) {
+        int sum = 0;
+        for (int i = 0; i < 32; ++i) sum += xq[g * 32 + i];
+        xsum[g] = xscale[g * 32 / block] * float(sum);
+      }
     }
     if (type != Q6_K) return;
     xbsum.resize(rows * width / 16);
@@ -361,6 +379,19 @@ struct Work {
   }
 
 
+  // Cuts each group of rows into tiles and counts the chunks (tiles x output-row chunks).
+  void plan_chunks() {
+    for (size_t g = 0; g + 1 < starts.size(); ++g) {
+      for (int r = starts[g]; r < starts[g + 1]; r += kTileRows) {
+        tile_start.push_back(r);
+        tile_group.push_back(int(g));
+      }
+    }
+    tile_start.push_back(starts.back());
+    chunks_per_tile = (out_rows + kChunkRows - 1) / kChunkRows;
+    total_chunks = chunks_per_tile * int64_t(tile_group.size());
+  }
+
   // Takes chunks until none is left; returns when every chunk taken by anyone is finished.
   void drain(bool wait) {
     for (int64_t c; (c = next.fetch_add(1)) < total_chunks;) {
@@ -430,10 +461,12 @@ ffi::Error QuantMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   work->starts.push_back(int(work->rows));
   work->order = std::move(order);
   work->int8_x = int8_x != 0;
-  if (kHasMin[type_code]) work->sum_rows();
-  if (work->int8_x) work->quantize_rows();
-  work->chunks_per_group = (work->out_rows + kChunkRows - 1) / kChunkRows;
-  work->total_chunks = work->chunks_per_group * int64_t(work->matrix.size());
+  if (work->int8_x) {
+    work->quantize_rows();
+  } else if (kHasMin[type_code]) {
+    work->sum_rows();
+  }
+  work->plan_chunks();
   if (work->total_chunks == 0) return ffi::Error::Success();
 
   int64_t bytes = 0;
@@ -456,6 +489,16 @@ ffi::Error QuantMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 }
 
 }  // namespace
+
+// Whether int8 rows multiply as integers in this build (AVX2; Q2_K and Q3_K never do): where
+// they do, a call of many rows (a prefill) is as fast here as XLA's dense GEMM path or faster.
+extern "C" int MtpjaxIntegerRows() {
+#ifdef MTPJAX_SIMD
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MtpjaxQuantMatvec, QuantMatvec,
                               ffi::Ffi::Bind()

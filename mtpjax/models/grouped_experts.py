@@ -23,7 +23,8 @@ import jax.numpy as jnp
 
 from mtpjax.models import quantized
 
-# Rows at or below this take the per-pair path (decode steps of up to 8 slots with a 2-row verify).
+# Rows at or below this take the per-pair path (decode steps of up to 8 slots with a 2-row
+# verify); on XLA:CPU, any number of int8 rows do (the native kernel's grouped pairs).
 PAIR_ROWS = 16
 
 
@@ -63,7 +64,8 @@ def _native_pairs(x, expert_ids, gate, up, down):
 
 def _takes_native(expert_ids, *weights) -> bool:
   return all(isinstance(w, quantized.QuantizedTensor)
-             and quantized.takes_native(w.type_name, expert_ids.size) for w in weights)
+             and quantized.takes_native(w.type_name, expert_ids.size, w.int8_activations)
+             for w in weights)
 
 
 def pairwise(x, expert_ids, gate, up, down):
@@ -134,7 +136,7 @@ def grouped(x, expert_ids, gate, up, down, tile: int | None = None):
 
 def routed(x, expert_ids, gate, up, down):
   """Rows x [N, D] through their selected experts [N, K]: outputs [N, K, D]."""
-  if x.shape[0] <= PAIR_ROWS:
+  if x.shape[0] <= PAIR_ROWS or _takes_native(expert_ids, gate, up, down):
     return pairwise(x, expert_ids, gate, up, down)
   return grouped(x, expert_ids, gate, up, down)
 

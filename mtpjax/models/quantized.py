@@ -18,7 +18,9 @@ Contraction (`matmul`, `contract`), by backend:
   (prefill) dequantize the matrix once and use the backend's GEMM;
 - XLA:CPU: up to NATIVE_ROWS rows a matrix go to the native kernel
   (`kernels/quant_matvec.cc`), which unpacks each block's integers once and multiplies them
-  into every row (`native_contract`); more rows, or where the kernel cannot be built, a tile
+  into every row (`native_contract`), and so do any number of int8 rows
+  (`int8_activations`, where the kernel multiplies them as integers); more float32 rows, or
+  where the kernel cannot be built, a tile
   of output rows at a time (2 MB of float32 values) is dequantized (in cache) and contracted
   by a dot (`tiled_contract`). XLA's own fused reduction vectorizes badly there (0.5-2 G
   elements/s on 2 cores) and a whole-matrix dequantize writes the float32 matrix to memory
@@ -212,7 +214,7 @@ def contract(x: jax.Array, type_name: str, fields: dict[str, jax.Array],
              int8_activations: bool = False) -> jax.Array:
   """`x [..., in]` against one quantized `[out, in]` matrix's fields: `[..., out]` in x's dtype,
   read the way this backend reads the integers fastest (see the module docstring)."""
-  if takes_native(type_name, math.prod(x.shape[:-1])):
+  if takes_native(type_name, math.prod(x.shape[:-1]), int8_activations):
     y = native_contract(x.reshape(-1, x.shape[-1]), None, type_name, fields, int8_activations)
     return y.reshape(x.shape[:-1] + (-1,)).astype(x.dtype)
   if jax.default_backend() == "cpu":
@@ -233,7 +235,7 @@ def contract_heads(x: jax.Array, type_name: str, fields: dict[str, jax.Array],
   x = x.astype(F32)
   if jax.default_backend() != "cpu" and math.prod(x.shape[:-2]) <= FUSED_ROWS:
     return fused_contract(x, type_name, fields)
-  if takes_native(type_name, math.prod(x.shape[:-2])):
+  if takes_native(type_name, math.prod(x.shape[:-2]), int8_activations):
     rows = x.reshape(-1, x.shape[-1])
     ids = jnp.tile(jnp.arange(x.shape[-2], dtype=jnp.int32), rows.shape[0] // x.shape[-2])
     return native_contract(rows, ids, type_name, fields,
@@ -241,11 +243,15 @@ def contract_heads(x: jax.Array, type_name: str, fields: dict[str, jax.Array],
   return jnp.einsum("...hi,hoi->...ho", x, dequantize_fields(type_name, fields))
 
 
-def takes_native(type_name: str, rows: int) -> bool:
-  """Whether `rows` rows a matrix of `type_name` take the native kernel: on XLA:CPU, up to
-  NATIVE_ROWS, where the kernel built (decided at trace time)."""
-  return (jax.default_backend() == "cpu" and 0 < rows <= NATIVE_ROWS
-          and type_name in native.TYPE_NAMES and native.available())
+def takes_native(type_name: str, rows: int, int8_activations: bool = False) -> bool:
+  """Whether `rows` rows a matrix of `type_name` take the native kernel: on XLA:CPU where the
+  kernel built (decided at trace time), up to NATIVE_ROWS float32 rows, and any number of
+  int8 rows that multiply as integers (a prefill's: about twice XLA's dense GEMM there)."""
+  if jax.default_backend() != "cpu" or rows <= 0 or type_name not in native.TYPE_NAMES:
+    return False
+  if int8_activations and native.integer_rows(type_name):
+    return True
+  return rows <= NATIVE_ROWS and native.available()
 
 
 def native_contract(x: jax.Array, ids: jax.Array | None, type_name: str,
