@@ -6,6 +6,8 @@ trunk layers + NextN, random valid --type blocks; no llama.cpp needed), loads it
 --weight_modes mode, and alternates the measured rounds between the modes. A decode step at batch 1
 (MTP off) reads every weight it multiplies by once, so its time is bounded below by
 weight bytes / HBM bandwidth: `fraction_of_roofline` = (bytes per step / step time) / --hbm_gb_s.
+A step's time is the median of the steps run once every request holds its slot (no prefill in
+them).
 
   python -m tools.bench_gpu_roofline --dtype=bfloat16     # H200: 4.8 TB/s HBM3e
   python -m tools.bench_gpu_roofline --source=/data/flash4.gguf --weight_modes=quantized,dense
@@ -31,13 +33,13 @@ from absl import app, flags
 import mtpjax
 from mtpjax.engine.contract import pow2_bucket, warm_up
 from mtpjax.engine.sampling import SamplerParams
-from mtpjax.engine.scheduler import Request
+from mtpjax.engine.scheduler import Request, Result, SlotScheduler
 from mtpjax.models.traffic import weight_mb_per_step
 from mtpjax.testing.glm_variants import VARIANTS, with_dims
 from mtpjax.testing.synthetic_glm import write_synthetic_gguf
-# bench_decode's decode timing, and its --source, --rounds, --dtype and --seed flags (absl
+# bench_decode's --source, --rounds, --dtype and --seed flags (absl
 # flags are global: this tool reads them rather than defining its own of the same names).
-from tools.bench_decode import _DTYPE, _ROUNDS, _SEED, _SOURCE, _step_ms, _timed_run
+from tools.bench_decode import _DTYPE, _ROUNDS, _SEED, _SOURCE
 
 _VARIANT = flags.DEFINE_enum("variant", "glm-4.7-flash", sorted(VARIANTS),
                              "synthetic model's variant (without --source)")
@@ -53,6 +55,23 @@ _DECODE_TOKENS = flags.DEFINE_integer("decode_tokens", 128, "tokens decoded per 
 _SLOT_COUNTS = flags.DEFINE_list("slot_counts", ["1"], "decode slots, one request each (the "
                                  "first is the reference of `step_vs_first`), e.g. 1,8")
 _HBM_GB_S = flags.DEFINE_float("hbm_gb_s", 4800.0, "peak memory bandwidth, GB/s (H200: 4800)")
+
+
+def _steady_steps(engine, requests: list[Request]) -> tuple[list[Result], float]:
+  """(results, median ms of a decode step once every request holds its slot): the steps
+  that also prefill later requests are left out, so N slots' step is N rows' decode alone."""
+  scheduler, results = SlotScheduler(engine), {}
+  for i, request in enumerate(requests):
+    scheduler.submit(request, lambda r, i=i: results.__setitem__(i, r))
+  seconds = []
+  while scheduler.busy:
+    steady = scheduler.prefilling is None and not scheduler.waiting and all(
+        slot is not None for slot in scheduler.slots[:len(requests)])
+    started = time.perf_counter()
+    scheduler.step()
+    if steady:
+      seconds.append(time.perf_counter() - started)
+  return [results[i] for i in range(len(requests))], 1e3 * float(np.median(seconds))
 
 
 def main(argv):
@@ -88,13 +107,13 @@ def main(argv):
                                             max_len=8 + _DECODE_TOKENS.value + 2,
                                             prefill_buckets=(pow2_bucket(8 + 1),))
         warm_up(engines[mode, slots])
-        _timed_run(engines[mode, slots], requests[:slots], None)   # untimed: device caches
+        _steady_steps(engines[mode, slots], requests[:slots])   # untimed: device caches
     steps: dict[tuple, list[float]] = {key: [] for key in engines}
     tokens = {}
     for _ in range(_ROUNDS.value):
       for (mode, slots), engine in engines.items():
-        results, _ = _timed_run(engine, requests[:slots], None)
-        steps[mode, slots].append(_step_ms(results))
+        results, step_ms = _steady_steps(engine, requests[:slots])
+        steps[mode, slots].append(step_ms)
         tokens[mode, slots] = [list(r.tokens) for r in results]
 
   device = jax.devices()[0]

@@ -49,6 +49,12 @@ constexpr int kTileRows = 32;
 constexpr int64_t kParallelBytes = 1 << 18;
 
 
+#ifdef MTPJAX_SIMD
+// Keeps `v` in a register here: GCC otherwise reassociates a block's 32 products of four rows
+// into trees, computing them all first and spilling them (about 2x the instructions).
+inline void in_register(__m256i& v) { __asm__("" : "+x"(v)); }
+#endif
+
 // The state of one call, shared with helper tasks that may start after the call returned
 // (they find no chunk left and touch nothing else).
 struct Work {
@@ -224,6 +230,7 @@ struct Work {
             __m256i xv = load32(reinterpret_cast<const uint8_t*>(xr[r] + 32 * k));
             sums[r] = _mm256_add_epi32(sums[r],
                                        _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), scale));
+            in_register(sums[r]);
           }
         }
       } else {
@@ -238,6 +245,7 @@ struct Work {
             __m256i xv = load32(reinterpret_cast<const uint8_t*>(xr[r] + 32 * k));
             sums[r] = _mm256_add_epi32(sums[r],
                                        _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), scale));
+            in_register(sums[r]);
           }
         }
         __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(kb.mn));
