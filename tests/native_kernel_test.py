@@ -135,25 +135,37 @@ class NativeKernelTest(parameterized.TestCase):
     got = _call(x, np.zeros(2), type_name, fields, int8=True)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
 
-  @parameterized.parameters(
-      # float32 rows: decode rows go to the kernel on XLA:CPU, prefill-sized counts do not
-      ("Q4_K", False, 1, True), ("Q4_K", False, quantized.NATIVE_ROWS, True),
-      ("Q4_K", False, quantized.NATIVE_ROWS + 1, False),
-      # int8 rows multiplied as integers: every count (a prefill's too)
-      ("Q4_K", True, quantized.NATIVE_ROWS + 1, True), ("Q6_K", True, 600, True),
-      # Q2_K keeps float32 rows in the kernel, so its prefill stays with XLA
-      ("Q2_K", True, quantized.NATIVE_ROWS, True), ("Q2_K", True, quantized.NATIVE_ROWS + 1, False))
-  def test_quantized_contract_takes_the_kernel_for_its_rows(self, type_name, int8, rows,
-                                                            native_call):
-    self.assertTrue(native.integer_rows("Q4_K"))   # this machine's build has AVX2
-    shape = (512, 256)
-    fields = quant_blocks.unpack(type_name, random_valid_blocks(
-        np.random.default_rng(10), type_name, shape), shape)
+  @parameterized.product(int8=(False, True), rows_native=(
+      (1, True), (quantized.NATIVE_ROWS, True), (quantized.NATIVE_ROWS + 1, False)))
+  def test_a_projection_takes_the_kernel_for_decode_rows(self, int8, rows_native):
+    # Decode and verify rows go to the kernel on XLA:CPU; a prefill's rows keep XLA's GEMM
+    # (with int8 rows too: even on K-quants, faster on 32-value blocks and small matrices).
+    rows, native_call = rows_native
+    _, fields = _tensor("Q4_K", (512, 256), seed=10)
+    named = dict(zip(quant_blocks.field_specs("Q4_K", (512, 256)), fields))
     x = jax.ShapeDtypeStruct((rows, 256), jnp.float32)
     text = jax.jit(quantized.contract, static_argnums=(1, 3)).lower(
-        x, type_name, {k: jnp.asarray(v) for k, v in fields.items()}, int8).as_text()
+        x, "Q4_K", named, int8).as_text()
     self.assertEqual("mtpjax_quant_matvec" in text, native_call)
 
+  @parameterized.parameters(
+      # rows per head: up to NATIVE_ROWS float32 rows, any number of int8 rows
+      ("Q4_K", False, quantized.NATIVE_ROWS, True),
+      ("Q4_K", False, quantized.NATIVE_ROWS + 1, False),
+      ("Q4_K", True, 600, True), ("Q6_K", True, 600, True),
+      # Q2_K keeps float32 rows in the kernel, so a prefill's stay with XLA
+      ("Q2_K", True, quantized.NATIVE_ROWS, True),
+      ("Q2_K", True, quantized.NATIVE_ROWS + 1, False))
+  def test_per_head_matrices_take_the_kernel_for_any_int8_rows(self, type_name, int8, rows,
+                                                               native_call):
+    self.assertTrue(native.integer_rows("Q4_K"))   # this machine's build has AVX2
+    shape = (8, 64, 256)
+    fields = quant_blocks.unpack(type_name, random_valid_blocks(
+        np.random.default_rng(10), type_name, shape), shape)
+    x = jax.ShapeDtypeStruct((rows, 8, 256), jnp.float32)
+    text = jax.jit(quantized.contract_heads, static_argnums=(1, 3)).lower(
+        x, type_name, {k: jnp.asarray(v) for k, v in fields.items()}, int8).as_text()
+    self.assertEqual("mtpjax_quant_matvec" in text, native_call)
 
   def test_bad_matrix_ids_are_an_error_not_a_read_out_of_bounds(self):
     _, fields = _tensor("Q8_0", (2, 8, 64), seed=11)

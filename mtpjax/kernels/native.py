@@ -117,8 +117,8 @@ def _load() -> bool:
 
 
 def integer_rows(type_name: str) -> bool:
-  """Whether int8 rows against `type_name` multiply as integers here (the build has AVX2), so
-  that any number of rows (a prefill too) is faster through the kernel than through XLA."""
+  """Whether int8 rows against `type_name` multiply as integers here (the build has AVX2): then
+  the kernel takes a prefill's rows too (`quantized.takes_native`)."""
   return (type_name in INTEGER_TYPES and available()
           and bool(_state["library"].MtpjaxIntegerRows()))
 
