@@ -148,6 +148,19 @@ class NativeKernelTest(parameterized.TestCase):
         x, "Q4_K", named, int8).as_text()
     self.assertEqual("mtpjax_quant_matvec" in text, native_call)
 
+  @parameterized.parameters(False, True)
+  def test_a_decode_step_takes_the_kernel_at_any_row_count(self, int8):
+    # A decode or verify step's rows keep one path past NATIVE_ROWS (MTP on equals off).
+    _, fields = _tensor("Q4_K", (512, 256), seed=10)
+    named = dict(zip(quant_blocks.field_specs("Q4_K", (512, 256)), fields))
+    x = jax.ShapeDtypeStruct((quantized.NATIVE_ROWS + 1, 256), jnp.float32)
+    # a fresh function each time: the context is read when the step traces
+    lowered = lambda: jax.jit(lambda x, f: quantized.contract(x, "Q4_K", f, int8)).lower(
+        x, named).as_text()
+    self.assertNotIn("mtpjax_quant_matvec", lowered())
+    with quantized.decode_rows():
+      self.assertIn("mtpjax_quant_matvec", lowered())
+
   @parameterized.parameters(
       # rows per head: up to NATIVE_ROWS float32 rows, any number of int8 rows
       ("Q4_K", False, quantized.NATIVE_ROWS, True),

@@ -18,6 +18,9 @@ import mtpjax
 from configs import glm
 from mtpjax import checkpoint, errors, loading, sharding
 from mtpjax.convert import convert
+from mtpjax.draft_window import DraftWindow
+from mtpjax.engine.scheduler import Request, SlotScheduler
+from mtpjax.models import quantized
 from mtpjax.models.interface import StageLayout
 from mtpjax.models.quantized import QuantizedTensor
 from fixtures import FIXTURES
@@ -73,6 +76,26 @@ class QuantizedFixtureTest(parameterized.TestCase):
                           adaptive_drafting=False, **sampling)
       self.assertEqual(on.tokens, off.tokens, sampling)
       self.assertGreater(on.stats.drafted, 0)
+
+  def test_mtp_on_equals_off_when_a_step_holds_more_rows_than_native_rows(self):
+    # 36 slots verifying a draft each: 72 rows a matrix in one step, past NATIVE_ROWS (where
+    # a prefill's rows leave the native kernel), against one row a slot with MTP off. With
+    # int8 rows a switch of path there changes the arithmetic, not only its rounding: without
+    # `quantized.decode_rows` the tokens differ.
+    slots = quantized.NATIVE_ROWS // 2 + 4
+    model = mtpjax.load(FIXTURE / "glm4moe_h64-Q4_K_M.gguf", weights="quantized",
+                        int8_activations=True)
+    prompts = [np.take(IDS, range(i, i + 3), mode="wrap") for i in range(slots)]
+    requests = [Request(prompt=np.asarray(p, np.int32), max_new_tokens=4) for p in prompts]
+    tokens = {}
+    for native_mtp in (False, True):
+      engine = model.engine(native_mtp=native_mtp, slots=slots, max_len=16)
+      window = DraftWindow.fixed(1) if native_mtp else None
+      results = SlotScheduler(engine, adaptive=None, window=window).run(requests)
+      tokens[native_mtp] = [r.tokens for r in results]
+      if native_mtp:
+        self.assertGreater(sum(r.stats.drafted for r in results), 0)
+    self.assertEqual(tokens[True], tokens[False])
 
   def test_types_without_a_device_form_fall_back_to_dense_with_a_log_line(self):
     model = mtpjax.load(FIXTURE / "glm4moe_h64-Q8_0.gguf", weights="dense")

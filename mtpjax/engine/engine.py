@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,7 @@ from mtpjax.engine.prefix_cache import PrefixCache
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.engine.state import (EngineState, Group, HeadState, Prefix, PrefillJob,
                                  sampler_arrays)
-from mtpjax.models import kv_cache, registry
+from mtpjax.models import kv_cache, quantized, registry
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.interface import StageLayout, stage_forward
 
@@ -51,6 +51,16 @@ def _insert_fn(prefix, state, slot):
   """A head state with slot `slot` replaced by the one-slot `prefix` (same tree structure)."""
   put = lambda dst, src: jax.lax.dynamic_update_index_in_dim(dst, src[0], slot, axis=0)
   return jax.tree.map(put, state, prefix)
+
+
+def _decode_rows(fn: Callable) -> Callable:
+  """`fn` traced under `quantized.decode_rows()`: a decode or verify step's rows take one path
+  whatever their count, so MTP on (k + 1 rows a slot) equals MTP off (one)."""
+  @functools.wraps(fn)
+  def traced(*args, **kwargs):
+    with quantized.decode_rows():
+      return fn(*args, **kwargs)
+  return traced
 
 
 class Engine:
@@ -90,17 +100,18 @@ class Engine:
     # Native MTP's plain step records the MTP inputs; a step over detached slots alone is
     # the step with MTP off.
     kinds = ("plain", "decode") if engine_cfg.native_mtp else ("decode",)
-    self._steps = {kind: per_stage(kind, functools.partial(self._step_fn, kind=kind),
+    step_fn = _decode_rows(self._step_fn)
+    self._steps = {kind: per_stage(kind, functools.partial(step_fn, kind=kind),
                                    ("kv", "head")) for kind in kinds}
     # A drafting step compiles once per window bucket: it verifies k + 1 rows and, with native
     # MTP, drafts k; without, it commits the host's accepted drafts.
     self._verify_kind = "verify_draft" if engine_cfg.native_mtp else "verify_host"
     self._draft_steps = {
-        k: per_stage(self._verify_kind, functools.partial(self._step_fn, kind=self._verify_kind,
+        k: per_stage(self._verify_kind, functools.partial(step_fn, kind=self._verify_kind,
                                                           depth=k), ("kv", "head"))
         for k in engine_cfg.window_buckets}
     # Timing splits a drafting step's last stage in two jits, synced after each.
-    self._verify = {k: jit("verify", functools.partial(self._step_fn, self.last, kind="verify",
+    self._verify = {k: jit("verify", functools.partial(step_fn, self.last, kind="verify",
                                                        depth=k), ("kv",))
                     for k in engine_cfg.window_buckets}
     self._draft = jit("draft", self._draft_fn, ("head",))

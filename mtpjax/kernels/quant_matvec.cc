@@ -499,7 +499,8 @@ ffi::Error QuantMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 }  // namespace
 
 // Whether int8 rows multiply as integers in this build (AVX2; Q2_K and Q3_K never do): where
-// they do, a call of many rows (a prefill) is as fast here as XLA's dense GEMM path or faster.
+// they do, a prefill's rows against per-head matrices and routed experts take this kernel
+// (`quantized.takes_native`).
 extern "C" int MtpjaxIntegerRows() {
 #ifdef MTPJAX_SIMD
   return 1;

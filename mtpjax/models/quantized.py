@@ -29,6 +29,8 @@ Contraction (`matmul`, `contract`), by backend:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -243,17 +245,35 @@ def contract_heads(x: jax.Array, type_name: str, fields: dict[str, jax.Array],
   return jnp.einsum("...hi,hoi->...ho", x, dequantize_fields(type_name, fields))
 
 
+# Set while a decode or verify step traces (`decode_rows`).
+_DECODE_ROWS = contextvars.ContextVar("mtpjax_decode_rows", default=False)
+
+
+@contextlib.contextmanager
+def decode_rows():
+  """Traces a decode or verify step: on XLA:CPU its rows take the native kernel at any count,
+  so a row gets the same arithmetic however many slots and drafts share the step (MTP on's
+  k + 1 rows a slot equal MTP off's one past NATIVE_ROWS too; XLA's tiled GEMM would round
+  otherwise, and not at all as int8 rows do)."""
+  token = _DECODE_ROWS.set(True)
+  try:
+    yield
+  finally:
+    _DECODE_ROWS.reset(token)
+
+
 def takes_native(type_name: str, rows: int, int8_activations: bool = False) -> bool:
   """Whether `rows` rows a matrix of `type_name` take the native kernel: on XLA:CPU where the
-  kernel built (decided at trace time), up to NATIVE_ROWS rows, and any number of int8 rows
-  that multiply as integers where a caller passes `int8_activations`: the per-head matrices
-  and routed experts, whose XLA paths dequantize every head or loop over experts (a Flash-
-  shaped prefill 1.7x faster). A plain projection's prefill keeps XLA's GEMM: even with the
-  kernel on K-quants, 2-4x faster on 32-value blocks and small matrices."""
+  kernel built (decided at trace time), up to NATIVE_ROWS rows; any number in a decode or
+  verify step (`decode_rows`); and any number of int8 rows that multiply as integers where a
+  caller passes `int8_activations`: the per-head matrices and routed experts, whose XLA paths
+  dequantize every head or loop over experts (a Flash-shaped prefill 1.7x faster). A plain
+  projection's prefill keeps XLA's GEMM: even with the kernel on K-quants, 2-4x faster on
+  32-value blocks and small matrices."""
   if jax.default_backend() != "cpu" or rows <= 0 or type_name not in native.TYPE_NAMES:
     return False
-  if int8_activations and native.integer_rows(type_name):
-    return True
+  if _DECODE_ROWS.get() or (int8_activations and native.integer_rows(type_name)):
+    return native.available()
   return rows <= NATIVE_ROWS and native.available()
 
 
