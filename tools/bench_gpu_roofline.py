@@ -13,6 +13,8 @@ them).
   python -m tools.bench_gpu_roofline --source=/data/flash4.gguf --weight_modes=quantized,dense
   python -m tools.bench_gpu_roofline --source=/tmp/flash4.gguf --weight_modes=quantized \
       --slot_counts=1,8      # a step over 8 slots against one (#16's grouped-MoE decode figure)
+  python -m tools.bench_gpu_roofline --source=/tmp/flash4.gguf --weight_modes=quantized-int8 \
+      --slot_counts=1,8 --llama_bench=/tmp/llama.cpp/llama-bench   # with llama.cpp's, on a CPU
 
 Weight bytes per step are `models/traffic.py`'s (routed experts at top-k of E, embeddings not
 counted).
@@ -40,6 +42,7 @@ from mtpjax.testing.synthetic_glm import write_synthetic_gguf
 # bench_decode's --source, --rounds, --dtype and --seed flags (absl
 # flags are global: this tool reads them rather than defining its own of the same names).
 from tools.bench_decode import _DTYPE, _ROUNDS, _SEED, _SOURCE
+from tools.llama_cpp import one_gguf, run_llama_bench
 
 _VARIANT = flags.DEFINE_enum("variant", "glm-4.7-flash", sorted(VARIANTS),
                              "synthetic model's variant (without --source)")
@@ -55,6 +58,22 @@ _DECODE_TOKENS = flags.DEFINE_integer("decode_tokens", 128, "tokens decoded per 
 _SLOT_COUNTS = flags.DEFINE_list("slot_counts", ["1"], "decode slots, one request each (the "
                                  "first is the reference of `step_vs_first`), e.g. 1,8")
 _HBM_GB_S = flags.DEFINE_float("hbm_gb_s", 4800.0, "peak memory bandwidth, GB/s (H200: 4800)")
+_LLAMA_BENCH = flags.DEFINE_string(
+    "llama_bench", None, "path of llama.cpp's llama-bench (CPU): each round also times its "
+    "step over as many rows as each --slot_counts entry, on the same GGUF (1 row: tg16; N: a "
+    "prompt of N rows in one batch, -p N -b N -ub N)")
+_LLAMA_THREADS = flags.DEFINE_integer("llama_threads", 2, "llama.cpp threads (--llama_bench)")
+
+
+def _llama_step_ms(gguf_path: str, rows: int) -> float:
+  """llama.cpp's step over `rows` rows, ms: a decode (tg16) for one, else a batch of `rows`
+  prompt rows (whose vocabulary head runs for its last row only)."""
+  threads = _LLAMA_THREADS.value
+  if rows == 1:
+    return 1e3 / run_llama_bench(_LLAMA_BENCH.value, gguf_path, threads, 0, 16, 2)[
+        ("tg16", threads)]
+  rates = run_llama_bench(_LLAMA_BENCH.value, gguf_path, threads, rows, 0, 2, batch=rows)
+  return rows * 1e3 / rates[(f"pp{rows}", threads)]
 
 
 def _steady_steps(engine, requests: list[Request]) -> tuple[list[Result], float]:
@@ -110,7 +129,11 @@ def main(argv):
         _steady_steps(engines[mode, slots], requests[:slots])   # untimed: device caches
     steps: dict[tuple, list[float]] = {key: [] for key in engines}
     tokens = {}
+    llama_steps: dict[int, list[float]] = {n: [] for n in slot_counts}
+    gguf_path = one_gguf(path, tmp) if _LLAMA_BENCH.value else None
     for _ in range(_ROUNDS.value):
+      for n in llama_steps if gguf_path else ():
+        llama_steps[n].append(_llama_step_ms(gguf_path, n))
       for (mode, slots), engine in engines.items():
         results, step_ms = _steady_steps(engine, requests[:slots])
         steps[mode, slots].append(step_ms)
@@ -139,12 +162,17 @@ def main(argv):
   line = {
       "flags": {f.name: f.value for f in (_SOURCE, _VARIANT, _LAYERS, _TYPE, _DIMS, _WEIGHT_MODES,
                                           _DTYPE, _DECODE_TOKENS, _SLOT_COUNTS, _ROUNDS,
-                                          _HBM_GB_S, _SEED)},
+                                          _HBM_GB_S, _SEED, _LLAMA_BENCH, _LLAMA_THREADS)},
       "device": f"{device.platform}:{device.device_kind}", "synthetic_write_s": made_s,
       "modes": per_mode,
       "same_tokens": all(len({str(tokens[mode, n]) for mode in models}) == 1
                          for n in slot_counts),
   }
+  if _LLAMA_BENCH.value:
+    first = float(np.median(llama_steps[slot_counts[0]]))
+    line["llama_cpp"] = {f"rows_{n}": {"step_ms": float(np.median(ms)), "step_ms_rounds": ms,
+                                       "step_vs_first": float(np.median(ms)) / first}
+                         for n, ms in llama_steps.items()}
   if {"quantized", "dense"} <= models.keys() and len(slot_counts) == 1:
     line["quantized_over_dense_speed"] = (per_mode["quantized"]["tokens_per_s"]
                                           / per_mode["dense"]["tokens_per_s"])

@@ -64,12 +64,15 @@ def parse_speculative(log: str) -> dict[str, int]:
 
 
 def run_llama_bench(llama_bench: str, gguf_path: str, threads: int, prompt: int, gen: int,
-                    reps: int, depths: tuple[int, ...] = (0,)) -> dict[tuple[str, int], float]:
+                    reps: int, depths: tuple[int, ...] = (0,), batch: int | None = None
+                    ) -> dict[tuple[str, int], float]:
   """`llama-bench` pp{prompt} and tg{gen} at `threads` threads, each after a context of each of
-  `depths` tokens: {(test, threads): tokens/s} (`parse_llama_bench`'s names)."""
+  `depths` tokens: {(test, threads): tokens/s} (`parse_llama_bench`'s names). `batch`: the
+  prompt's batch and micro-batch (`-b`, `-ub`), e.g. a prompt of 8 in one batch of 8 rows."""
+  sizes = ("-b", str(batch), "-ub", str(batch)) if batch else ()
   return parse_llama_bench(run(llama_bench, "-m", gguf_path, "-p", str(prompt), "-n", str(gen),
                                "-d", ",".join(map(str, depths)), "-t", str(threads),
-                               "-r", str(reps), "-o", "json"))
+                               "-r", str(reps), *sizes, "-o", "json"))
 
 
 def one_gguf(source: str, folder: str) -> str:
