@@ -34,9 +34,6 @@ _FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 TYPE_NAMES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # Rows one kernel call takes (its kMaxRows); `quant_matvec` splits longer calls.
 MAX_ROWS = 4096
-# Types whose int8 rows the kernel multiplies as integers where `integer_rows()` (Q2_K and Q3_K
-# keep float32 rows).
-INTEGER_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -117,10 +114,11 @@ def _load() -> bool:
 
 
 def integer_rows(type_name: str) -> bool:
-  """Whether int8 rows against `type_name` multiply as integers here (the build has AVX2): then
-  the kernel takes a prefill's rows too (`quantized.takes_native`)."""
-  return (type_name in INTEGER_TYPES and available()
-          and bool(_state["library"].MtpjaxIntegerRows()))
+  """Whether int8 rows against `type_name` multiply as integers here (the kernel says: its AVX2
+  paths, all types but Q2_K and Q3_K): then it takes a prefill's rows too
+  (`quantized.takes_native`)."""
+  return (type_name in TYPE_NAMES and available()
+          and bool(_state["library"].MtpjaxIntegerRows(TYPE_NAMES.index(type_name))))
 
 
 def quant_matvec(x: jax.Array, ids: jax.Array, type_name: str, fields: list[jax.Array],

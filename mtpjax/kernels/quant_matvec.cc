@@ -49,6 +49,16 @@ constexpr int kTileRows = 32;
 constexpr int64_t kParallelBytes = 1 << 18;
 
 
+// Whether `type` takes the AVX2 paths in this build (runs of integers; its int8 rows then
+// multiply as integers): all types but Q2_K and Q3_K, which keep `dequantize_block`.
+constexpr bool simd_type(int type) {
+#ifdef MTPJAX_SIMD
+  return type != Q2_K && type != Q3_K;
+#else
+  return false;
+#endif
+}
+
 #ifdef MTPJAX_SIMD
 // Keeps `v` in a register here: GCC otherwise reassociates a block's 32 products of four rows
 // into trees, computing them all first and spilling them (about 2x the instructions).
@@ -89,7 +99,7 @@ struct Work {
     for (int64_t n = n0; n < n1; ++n) {
       int64_t first = matrix[g] * blocks_per_matrix + n * blocks_per_row;
 #ifdef MTPJAX_SIMD
-      if (type != Q2_K && type != Q3_K) {
+      if (simd_type(type)) {
         if (int8_x) {
           simd_row<true>(first, group, count, n);
         } else {
@@ -182,11 +192,25 @@ struct Work {
     }
   }
 
+  // Run k's unsigned integers `q` times each row's int8 values, weighted by the run's 16-bit
+  // sub-block scales, added to the rows' int32 sums (under 2^24 a lane).
+  template <int count>
+  static void add_run(__m256i q, __m256i scale, const int8_t* const* xr, int k,
+                      __m256i* sums) {
+    #pragma GCC unroll 4
+    for (int r = 0; r < count; ++r) {
+      __m256i xv = load32(reinterpret_cast<const uint8_t*>(xr[r] + 32 * k));
+      sums[r] = _mm256_add_epi32(sums[r],
+                                 _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), scale));
+      in_register(sums[r]);
+    }
+  }
+
   // The same for K-quants (256-value blocks, one x scale a block). Each run's integers are
-  // unpacked once and multiplied into every row as they come (unsigned, so Q6_K's offset of 32
-  // is taken off once a block through the rows' 16-value sums of x); products are weighted by
-  // the integer sub-block scales in int32 (under 2^24 a lane), then one float multiply-add a
-  // block and row. The mins' term (Q4_K, Q5_K) comes from the float sums of x.
+  // unpacked once and multiplied into every row as they come (`add_run`; unsigned, so Q6_K's
+  // offset of 32 is taken off once a block through the rows' 16-value sums of x), then one
+  // float multiply-add a block and row. The mins' term (Q4_K, Q5_K) comes from the rounded
+  // rows' sums.
   template <int T, int count>
   void kquant_rows_of(int64_t first, const int* group, int64_t n) {
     constexpr bool six = T == Q6_K, five = T == Q5_K;
@@ -222,31 +246,16 @@ struct Work {
         }
         #pragma GCC unroll 8
         for (int k = 0; k < 8; ++k) {
-          __m256i q = q6_run(ql, qhp, k);
-          __m256i scale = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
-              scales, _mm_load_si128(reinterpret_cast<const __m128i*>(kScalePairs[k]))));
-          #pragma GCC unroll 4
-          for (int r = 0; r < count; ++r) {
-            __m256i xv = load32(reinterpret_cast<const uint8_t*>(xr[r] + 32 * k));
-            sums[r] = _mm256_add_epi32(sums[r],
-                                       _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), scale));
-            in_register(sums[r]);
-          }
+          add_run<count>(q6_run(ql, qhp, k), _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+              scales, _mm_load_si128(reinterpret_cast<const __m128i*>(kScalePairs[k])))),
+              xr, k, sums);
         }
       } else {
         KBlock kb = k_block(fields, block, five);
         d = kb.d;
         #pragma GCC unroll 8
         for (int k = 0; k < 8; ++k) {
-          __m256i q = k_run(kb, k);
-          __m256i scale = _mm256_set1_epi16(short(kb.sc[k]));
-          #pragma GCC unroll 4
-          for (int r = 0; r < count; ++r) {
-            __m256i xv = load32(reinterpret_cast<const uint8_t*>(xr[r] + 32 * k));
-            sums[r] = _mm256_add_epi32(sums[r],
-                                       _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), scale));
-            in_register(sums[r]);
-          }
+          add_run<count>(k_run(kb, k), _mm256_set1_epi16(short(kb.sc[k])), xr, k, sums);
         }
         __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(kb.mn));
         dmins = _mm256_mul_ps(_mm256_set1_ps(kb.dmin),
@@ -468,10 +477,12 @@ ffi::Error QuantMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   }
   work->starts.push_back(int(work->rows));
   work->order = std::move(order);
-  work->int8_x = int8_x != 0;
+  // Rows are rounded only where the integer paths read them, and summed only for the float32
+  // paths that read the sums; `dequantize_block`'s path reads x alone.
+  work->int8_x = int8_x != 0 && simd_type(type_code);
   if (work->int8_x) {
     work->quantize_rows();
-  } else if (kHasMin[type_code]) {
+  } else if (kHasMin[type_code] && simd_type(type_code)) {
     work->sum_rows();
   }
   work->plan_chunks();
@@ -498,15 +509,11 @@ ffi::Error QuantMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 
 }  // namespace
 
-// Whether int8 rows multiply as integers in this build (AVX2; Q2_K and Q3_K never do): where
-// they do, a prefill's rows against per-head matrices and routed experts take this kernel
-// (`quantized.takes_native`).
-extern "C" int MtpjaxIntegerRows() {
-#ifdef MTPJAX_SIMD
-  return 1;
-#else
-  return 0;
-#endif
+// Whether int8 rows against `type_code` multiply as integers in this build (`simd_type`):
+// where they do, a prefill's rows against per-head matrices and routed experts take this
+// kernel (`native.integer_rows`, `quantized.takes_native`).
+extern "C" int MtpjaxIntegerRows(int type_code) {
+  return type_code >= 0 && type_code < NUM_TYPES && simd_type(type_code);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MtpjaxQuantMatvec, QuantMatvec,
