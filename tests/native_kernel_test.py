@@ -41,6 +41,12 @@ def _tensor(type_name, shape, seed, max_scale=None):
 _matvec = jax.jit(native.quant_matvec, static_argnums=(2, 4))
 
 
+def _q4k_fields() -> dict:
+  """A Q4_K [512, 256] matrix's fields by name, for the lowering checks."""
+  _, fields = _tensor("Q4_K", (512, 256), seed=10)
+  return dict(zip(quant_blocks.field_specs("Q4_K", (512, 256)), fields))
+
+
 def _call(x, ids, type_name, fields, int8=False):
   return np.asarray(_matvec(jnp.asarray(x, jnp.float32), jnp.asarray(ids, jnp.int32), type_name,
                             fields, int8))
@@ -141,8 +147,7 @@ class NativeKernelTest(parameterized.TestCase):
     # Decode and verify rows go to the kernel on XLA:CPU; a prefill's rows keep XLA's GEMM
     # (with int8 rows too: even on K-quants, faster on 32-value blocks and small matrices).
     rows, native_call = rows_native
-    _, fields = _tensor("Q4_K", (512, 256), seed=10)
-    named = dict(zip(quant_blocks.field_specs("Q4_K", (512, 256)), fields))
+    named = _q4k_fields()
     x = jax.ShapeDtypeStruct((rows, 256), jnp.float32)
     text = jax.jit(quantized.contract, static_argnums=(1, 3)).lower(
         x, "Q4_K", named, int8).as_text()
@@ -151,8 +156,7 @@ class NativeKernelTest(parameterized.TestCase):
   @parameterized.parameters(False, True)
   def test_a_decode_step_takes_the_kernel_at_any_row_count(self, int8):
     # A decode or verify step's rows keep one path past NATIVE_ROWS (MTP on equals off).
-    _, fields = _tensor("Q4_K", (512, 256), seed=10)
-    named = dict(zip(quant_blocks.field_specs("Q4_K", (512, 256)), fields))
+    named = _q4k_fields()
     x = jax.ShapeDtypeStruct((quantized.NATIVE_ROWS + 1, 256), jnp.float32)
     # a fresh function each time: the context is read when the step traces
     lowered = lambda: jax.jit(lambda x, f: quantized.contract(x, "Q4_K", f, int8)).lower(

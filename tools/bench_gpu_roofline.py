@@ -65,15 +65,14 @@ _LLAMA_BENCH = flags.DEFINE_string(
 _LLAMA_THREADS = flags.DEFINE_integer("llama_threads", 2, "llama.cpp threads (--llama_bench)")
 
 
-def _llama_step_ms(gguf_path: str, rows: int) -> float:
-  """llama.cpp's step over `rows` rows, ms: a decode (tg16) for one, else a batch of `rows`
-  prompt rows (whose vocabulary head runs for its last row only)."""
-  threads = _LLAMA_THREADS.value
-  if rows == 1:
-    return 1e3 / run_llama_bench(_LLAMA_BENCH.value, gguf_path, threads, 0, 16, 2)[
-        ("tg16", threads)]
-  rates = run_llama_bench(_LLAMA_BENCH.value, gguf_path, threads, rows, 0, 2, batch=rows)
-  return rows * 1e3 / rates[(f"pp{rows}", threads)]
+def _llama_steps_ms(gguf_path: str, row_counts: list[int]) -> dict[int, float]:
+  """llama.cpp's step over each count of rows, ms, from one llama-bench run: a decode (tg16)
+  for one row, else a batch of that many prompt rows (whose vocabulary head runs for its last
+  row only)."""
+  threads, batches = _LLAMA_THREADS.value, tuple(n for n in row_counts if n > 1)
+  rates = run_llama_bench(_LLAMA_BENCH.value, gguf_path, threads, batches or 0, 16, 2,
+                          batch=max(batches, default=None))
+  return {n: n * 1e3 / rates[(f"pp{n}" if n > 1 else "tg16", threads)] for n in row_counts}
 
 
 def _steady_steps(engine, requests: list[Request]) -> tuple[list[Result], float]:
@@ -132,8 +131,8 @@ def main(argv):
     llama_steps: dict[int, list[float]] = {n: [] for n in slot_counts}
     gguf_path = one_gguf(path, tmp) if _LLAMA_BENCH.value else None
     for _ in range(_ROUNDS.value):
-      for n in llama_steps if gguf_path else ():
-        llama_steps[n].append(_llama_step_ms(gguf_path, n))
+      for n, ms in (_llama_steps_ms(gguf_path, slot_counts) if gguf_path else {}).items():
+        llama_steps[n].append(ms)
       for (mode, slots), engine in engines.items():
         results, step_ms = _steady_steps(engine, requests[:slots])
         steps[mode, slots].append(step_ms)

@@ -63,16 +63,19 @@ def parse_speculative(log: str) -> dict[str, int]:
   return found
 
 
-def run_llama_bench(llama_bench: str, gguf_path: str, threads: int, prompt: int, gen: int,
-                    reps: int, depths: tuple[int, ...] = (0,), batch: int | None = None
+def run_llama_bench(llama_bench: str, gguf_path: str, threads: int,
+                    prompt: int | tuple[int, ...], gen: int, reps: int,
+                    depths: tuple[int, ...] = (0,), batch: int | None = None
                     ) -> dict[tuple[str, int], float]:
-  """`llama-bench` pp{prompt} and tg{gen} at `threads` threads, each after a context of each of
-  `depths` tokens: {(test, threads): tokens/s} (`parse_llama_bench`'s names). `batch`: the
-  prompt's batch and micro-batch (`-b`, `-ub`), e.g. a prompt of 8 in one batch of 8 rows."""
+  """`llama-bench` pp{prompt} (each of several) and tg{gen} at `threads` threads, each after a
+  context of each of `depths` tokens: {(test, threads): tokens/s} (`parse_llama_bench`'s
+  names). `batch`: the prompts' batch and micro-batch (`-b`, `-ub`), e.g. a prompt of 8 in one
+  batch of 8 rows."""
+  prompts = (prompt,) if isinstance(prompt, int) else prompt
   sizes = ("-b", str(batch), "-ub", str(batch)) if batch else ()
-  return parse_llama_bench(run(llama_bench, "-m", gguf_path, "-p", str(prompt), "-n", str(gen),
-                               "-d", ",".join(map(str, depths)), "-t", str(threads),
-                               "-r", str(reps), *sizes, "-o", "json"))
+  return parse_llama_bench(run(llama_bench, "-m", gguf_path, "-p", ",".join(map(str, prompts)),
+                               "-n", str(gen), "-d", ",".join(map(str, depths)),
+                               "-t", str(threads), "-r", str(reps), *sizes, "-o", "json"))
 
 
 def one_gguf(source: str, folder: str) -> str:

@@ -21,10 +21,9 @@ Contraction (`matmul`, `contract`), by backend:
   into every row (`native_contract`), and so do a prefill's int8 rows (`int8_activations`)
   against per-head matrices and routed experts; more rows, or where the kernel cannot be
   built, a tile of output rows at a time (2 MB of float32 values) is dequantized (in cache)
-  and contracted by a dot (`tiled_contract`). XLA's own fused reduction
-  vectorizes badly there (0.5-2 G elements/s on 2 cores) and a whole-matrix dequantize
-  writes the float32 matrix to memory (1.3 GB for a 155K-row vocabulary head) before the
-  GEMM reads it back.
+  and contracted by a dot (`tiled_contract`). XLA's own fused reduction vectorizes badly
+  there (0.5-2 G elements/s on 2 cores) and a whole-matrix dequantize writes the float32
+  matrix to memory (1.3 GB for a 155K-row vocabulary head) before the GEMM reads it back.
 """
 
 from __future__ import annotations
@@ -232,8 +231,8 @@ def contract_heads(x: jax.Array, type_name: str, fields: dict[str, jax.Array],
                    int8_activations: bool = False) -> jax.Array:
   """`x [..., H, in]` against quantized per-head `[H, out, in]` fields: `[..., H, out]` float32.
   Accelerators read few rows in the fused loop (the heads broadcast like gathered experts);
-  XLA:CPU's decode rows go to the native kernel, a matrix per head; more rows contract the
-  exact float32 values of all heads at once."""
+  XLA:CPU's decode rows and a prefill's int8 rows go to the native kernel, a matrix per head
+  (`takes_native`); other rows contract the exact float32 values of all heads at once."""
   x = x.astype(F32)
   if jax.default_backend() != "cpu" and math.prod(x.shape[:-2]) <= FUSED_ROWS:
     return fused_contract(x, type_name, fields)
