@@ -29,10 +29,14 @@ _WIDTH = {name: 64 if quant_blocks.block_size(name) == 32 else 512 for name in n
 _INT8_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
+def _raw(type_name, shape, seed, max_scale=None) -> np.ndarray:
+  """Random valid GGUF blocks of a tensor of numpy `shape`."""
+  return random_valid_blocks(np.random.default_rng(seed), type_name, shape, max_scale=max_scale)
+
+
 def _tensor(type_name, shape, seed, max_scale=None):
   """(exact float32 values, device fields in the kernel's order) of random valid blocks."""
-  rng = np.random.default_rng(seed)
-  raw = random_valid_blocks(rng, type_name, shape, max_scale=max_scale)
+  raw = _raw(type_name, shape, seed, max_scale)
   values = quants.dequantize(raw, GGMLQuantizationType[type_name]).reshape(shape)
   fields = quant_blocks.unpack(type_name, raw, shape)
   return values, [jnp.asarray(fields[n]) for n in quant_blocks.field_specs(type_name, shape)]
@@ -108,24 +112,42 @@ class NativeKernelTest(parameterized.TestCase):
         alone = _call(x[r:r + 1], ids[r:r + 1], "Q8_0", fields, int8)
         np.testing.assert_array_equal(alone[0], got[r], err_msg=f"row {r}, int8 {int8}")
 
-  @parameterized.parameters(*_INT8_TYPES)
-  def test_int8_rows_give_the_exact_product_with_the_rows_rounded(self, type_name):
-    # Each row is rounded per weight block (32 values, 256 for K-quants) to int8 times the
-    # scale amax / 127 (in float32, ties to even); the result is the exact weights' product
-    # with that rounded row, mins' terms included (as llama.cpp's Q8 vectors give), so it
-    # moves from the float row's product by at most sum_i |w_i| * scale_i / 2.
+  @parameterized.product(type_name=_INT8_TYPES, magnitude=(1.0, 1e-3))
+  def test_int8_rows_give_llama_cpps_product_with_the_rows_rounded(self, type_name, magnitude):
+    # Each row is rounded per weight block to int8 (x * (127 / amax) in float32, ties to even)
+    # times a scale kept as llama.cpp keeps it: float16 amax / 127 for 32-value blocks (Q8_0,
+    # Q8_1), float32 1 / (127 / amax) for 256 (Q8_K). The result is the exact weights' product
+    # with that rounded row, except that Q4_1 / Q5_1 take their mins' term from Q8_1's float16
+    # sum of the block (amax / 127 * sum(q)) rather than from the rounded values' sum.
+    # Rows of magnitude 1e-3 have float16 scales below its normal range (2^-14).
     width = _WIDTH[type_name]
     block = quant_blocks.block_size(type_name)
+    raw = _raw(type_name, (1, 64, width), seed=6, max_scale=0.01)
     values, fields = _tensor(type_name, (1, 64, width), seed=6, max_scale=0.01)
-    x = np.random.default_rng(7).standard_normal((3, width)).astype(np.float32)
+    x = (magnitude * np.random.default_rng(7).standard_normal((3, width))).astype(np.float32)
     amax = np.abs(x).reshape(3, -1, block).max(-1, keepdims=True)
     q = np.rint(x.reshape(3, -1, block) * (np.float32(127) / amax))
-    rounded = (q * (amax / np.float32(127))).reshape(3, width).astype(np.float64)
+    if block == 32:
+      scale = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
+    else:
+      scale = np.float32(1) / (np.float32(127) / amax)
+    rounded = (q * scale).reshape(3, width).astype(np.float64)
     want = rounded @ values[0].T.astype(np.float64)
+    min_shift = np.zeros_like(want)
+    if type_name in ("Q4_1", "Q5_1"):   # block bytes: d, m (float16), then the integers
+      mins = raw.reshape(64, width // 32, -1)[..., 2:4].copy().view(np.float16)[..., 0]
+      sums = q.sum(-1)
+      q8_1_sums = ((amax[..., 0] / np.float32(127)) * sums).astype(np.float16)
+      min_shift = (q8_1_sums.astype(np.float64) - scale[..., 0] * sums) @ mins.T.astype(
+          np.float64)
+      self.assertGreater(np.abs(min_shift).max(), 0.0)
     got = _call(x, np.zeros(3), type_name, fields, int8=True)
-    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    np.testing.assert_allclose(got, want + min_shift, rtol=0, atol=2e-6 * np.abs(want).max())
+    # Rounding moves each value by at most half a step plus the float16 scale's error
+    # (127 * scale * 2^-11), so the product moves from the float row's by at most that bound.
     exact = x.astype(np.float64) @ values[0].T.astype(np.float64)
-    bound = 0.5 * np.repeat(amax[..., 0] / 127.0, block, axis=1) @ np.abs(values[0]).T
+    step = np.repeat(amax[..., 0] / 127.0, block, axis=1) * (0.5 + 127 * 2.0**-11)
+    bound = step @ np.abs(values[0]).T + np.abs(min_shift)
     self.assertTrue(np.all(np.abs(got - exact) <= bound + 1e-5 * np.abs(exact).max()))
     self.assertGreater(np.abs(got - exact).max(), 0.0)   # the rows were rounded
 

@@ -22,6 +22,21 @@ constexpr int kFields[NUM_TYPES] = {2, 2, 3, 3, 4, 4, 4, 5, 6, 4};
 constexpr bool kHasMin[NUM_TYPES] = {false, false, true, false, true,
                                      false, false, true, true, false};
 
+// The float16 value nearest a finite float (ties to even; |f| < 65504), as a float: llama.cpp
+// keeps its 32-value Q8 rows' scales and sums in float16.
+inline float round_to_half(float f) {
+  float magnitude = std::fabs(f);
+  if (magnitude < 6.103515625e-05f) {   // float16 subnormals: steps of 2^-24
+    return std::copysign(std::nearbyint(magnitude * 16777216.0f) / 16777216.0f, f);
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  bits += 0x0FFFu + ((bits >> 13) & 1u);   // round the low 13 mantissa bits away, to even
+  bits &= ~0x1FFFu;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 // IEEE half bits -> float, exact (normals, subnormals, inf, nan).
 inline float half_to_float(uint16_t h) {
   uint32_t sign = uint32_t(h & 0x8000) << 16;

@@ -7,8 +7,8 @@
 // - float32 rows: each 32-value run's integers times the row, the run's scales applied to the
 //   partial sums (s * sum(q x) - m * sum(x)); a unit row reads gguf-py's value exactly;
 // - int8 rows (`int8_x`): each row rounded per block to int8 and a scale, multiplied as
-//   integers (maddubs / madd), as llama.cpp does: the exact weights' product with the rounded
-//   row;
+//   integers (maddubs / madd), as llama.cpp does: the exact weights' product with the row
+//   rounded as llama.cpp's Q8 vectors round and keep it;
 // - without AVX2, and for Q2_K / Q3_K: the block's float32 values (`dequantize_block`).
 // A row's arithmetic is fixed, so its result does not depend on the other rows of the call or
 // on the thread count.
@@ -79,9 +79,9 @@ struct Work {
   std::vector<int> order, starts, matrix, tile_start, tile_group;
   int64_t chunks_per_tile = 0, total_chunks = 0;
   // int8 activations (`int8_x`): each row of x rounded per weight block to int8 times a
-  // float32 scale (amax / 127), as llama.cpp's Q8 vectors, and for the types with a min the
-  // sums of each 32 rounded values: a result is then the exact weights' product with the
-  // rounded row, as llama.cpp's. Blocks multiply as integers.
+  // scale, and for the types with a min the sums of each 32 rounded values, in the bits
+  // llama.cpp's Q8 vectors keep (`quantize_rows`): a result is then llama.cpp's product of
+  // the weights with the rounded row. Blocks multiply as integers.
   bool int8_x = false;
   std::vector<int8_t> xq;
   std::vector<float> xscale, xsum;
@@ -123,24 +123,34 @@ struct Work {
     }
   }
 
-  // x rounded per block of the weight type (32, or 256 for K-quants as llama.cpp's Q8_K) to
-  // int8 times xscale [R, K / block]; for Q6_K (whose offset of 32 they take off) xbsum
-  // [R, K / 16], the sums of the int8 values.
+  // x rounded per block of the weight type to int8 times xscale [R, K / block], as llama.cpp
+  // rounds it: 32-value blocks as Q8_0 / Q8_1 (scale amax / 127 and, for Q4_1 / Q5_1, the
+  // block's sum in float16), 256-value blocks as Q8_K (scale 1 / (127 / amax) in float32);
+  // for Q6_K (whose offset of 32 they take off) xbsum [R, K / 16], the sums of the int8 values.
   void quantize_rows() {
     int block = kBlock[type];
     int64_t groups = width / block;
     xq.resize(rows * width);
     xscale.resize(rows * groups);
+    if (kHasMin[type]) xsum.resize(rows * width / 32);
     for (int64_t g = 0; g < rows * groups; ++g) {
       const float* v = x + g * block;
       float amax = 0.0f;
       for (int i = 0; i < block; ++i) amax = std::max(amax, std::fabs(v[i]));
       float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
       for (int i = 0; i < block; ++i) xq[g * block + i] = int8_t(std::nearbyint(v[i] * inverse));
-      xscale[g] = amax / 127.0f;
+      if (block == 32) {   // Q8_0 / Q8_1: the scale, and the sum of the row's values, in float16
+        xscale[g] = round_to_half(amax / 127.0f);
+        if (kHasMin[type]) {
+          int sum = 0;
+          for (int i = 0; i < 32; ++i) sum += xq[g * 32 + i];
+          xsum[g] = round_to_half(amax / 127.0f * float(sum));
+        }
+      } else {             // Q8_K: the float32 inverse of the multiplier
+        xscale[g] = amax > 0.0f ? 1.0f / inverse : 0.0f;
+      }
     }
-    if (kHasMin[type]) {
-      xsum.resize(rows * width / 32);
+    if (kHasMin[type] && block != 32) {   // Q4_K, Q5_K: the mins' term reads 32-value sums
       for (int64_t g = 0; g < rows * width / 32; ++g) {
         int sum = 0;
         for (int i = 0; i < 32; ++i) sum += xq[g * 32 + i];
