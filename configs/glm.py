@@ -71,8 +71,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # request whose prompt + max_tokens could never fit.
   config.engine.kv_page = 16
   config.engine.kv_pages = 0
-  # The KV cache's values: auto (the activation dtype, model.dtype), bfloat16 (half a float32
-  # model's KV bytes) or float32 (README, "Context length and memory").
+  # The KV cache's values: auto (the activation dtype, model.dtype), bfloat16 or float16 (half
+  # a float32 model's KV bytes; float16 is llama.cpp's default) or float32 (README, "Context
+  # length and memory").
   config.engine.kv_cache_dtype = "auto"
   # Prompt prefixes (whole pages of the largest bucket) kept for reuse by later prompts that
   # start the same way, least recently used first out; 0 turns prefix caching off.

@@ -26,7 +26,7 @@ from flax import nnx
 from mtpjax import checkpoint, errors, loading, runtime_options, sharding, speculative, text
 from mtpjax.draft_window import DraftWindow
 from mtpjax.engine.composite import HostDrafting
-from mtpjax.engine.contract import EngineConfig, pow2_bucket
+from mtpjax.engine.contract import EngineConfig, kv_dtype, pow2_bucket
 from mtpjax.engine.drafting_policy import AdaptiveDrafting
 from mtpjax.engine.engine import Engine
 from mtpjax.engine.pipeline_hops import LocalHops
@@ -165,22 +165,22 @@ class Model:
 
   @functools.cached_property
   def _jit_stage(self):
-    def run(graphdef, hands_selection, state, inp):
+    def run(graphdef, hands_selection, cache_dtype, state, inp):
       """inp: tokens on stage 0, else the hop's (x, selection); the cache is the sequence."""
       model = nnx.merge(graphdef, state)
       length = (inp if model.layout.embeddings else inp[0]).shape[1]
-      x, _, selection = fresh_forward(model, inp, length)
+      x, _, selection = fresh_forward(model, inp, length, cache_dtype)
       if not model.layout.output:
         return x, selection if hands_selection else None
       return x, model.lm_logits(x)
-    return jax.jit(run, static_argnums=(0, 1))
+    return jax.jit(run, static_argnums=(0, 1, 2))
 
   @functools.cached_property
   def _jit_mtp(self):
-    def run(graphdef, state, tokens, prev_hidden):
+    def run(graphdef, cache_dtype, state, tokens, prev_hidden):
       model = nnx.merge(graphdef, state)
-      return model.mtp_logits(fresh_mtp_rows(model, tokens, prev_hidden)[0])
-    return jax.jit(run, static_argnums=0)
+      return model.mtp_logits(fresh_mtp_rows(model, tokens, prev_hidden, cache_dtype)[0])
+    return jax.jit(run, static_argnums=(0, 1))
 
   def _padded(self, token_ids) -> tuple[np.ndarray, int]:
     ids = np.asarray(token_ids, np.int32).reshape(-1)
@@ -188,8 +188,9 @@ class Model:
     padded[0, :ids.size] = ids
     return padded, ids.size
 
-  def _run_stages(self, tokens: np.ndarray, weights: list):
-    """(post-norm hidden, logits) on the last stage (None on other processes)."""
+  def _run_stages(self, tokens: np.ndarray, weights: list, cache_dtype):
+    """(post-norm hidden, logits) on the last stage (None on other processes), over caches of
+    `cache_dtype` values."""
     dtype = loading.resolve_dtype(self.dtype)
     b, t = tokens.shape
     like = jax.ShapeDtypeStruct((b, t, self.config.hidden), dtype)
@@ -200,29 +201,34 @@ class Model:
       if s > 0:
         x = self.hops.move(x, s - 1, s, like=(like, selections[s]))
       if entry is not None:
-        x = self._jit_stage(entry[0], selections[s + 1] is not None, entry[1], x)
+        x = self._jit_stage(entry[0], selections[s + 1] is not None, cache_dtype, entry[1], x)
     return x if weights[self.last] is not None else None
 
-  def _trunk(self, token_ids, weights=None):
+  def _kv_dtype(self, kv_cache_dtype: str) -> jnp.dtype:
+    return kv_dtype(kv_cache_dtype, loading.resolve_dtype(self.dtype))
+
+  def _trunk(self, token_ids, kv_cache_dtype: str):
     tokens, n = self._padded(token_ids)
     t = tokens.shape[1]
     like = (jax.ShapeDtypeStruct((1, t, self.config.hidden), loading.resolve_dtype(self.dtype)),
             jax.ShapeDtypeStruct((1, t, self.config.vocab_size), jnp.float32))
-    weights = weights or self.stage_weights(with_mtp=next(iter(self._weights)))
-    hidden, logits = self.hops.share(self._run_stages(tokens, weights), self.last, like=like)
+    weights = self.stage_weights(with_mtp=next(iter(self._weights)))
+    out = self._run_stages(tokens, weights, self._kv_dtype(kv_cache_dtype))
+    hidden, logits = self.hops.share(out, self.last, like=like)
     return tokens, n, hidden, logits
 
-  def logits(self, token_ids) -> np.ndarray:
-    """[T, vocab] logits of a causal forward over positions 0..T-1."""
-    _, n, _, logits = self._trunk(token_ids)
+  def logits(self, token_ids, kv_cache_dtype: str = "auto") -> np.ndarray:
+    """[T, vocab] logits of a causal forward over positions 0..T-1, its keys and values kept
+    as an engine with `kv_cache_dtype` keeps them (auto: the activation dtype)."""
+    _, n, _, logits = self._trunk(token_ids, kv_cache_dtype)
     return np.asarray(logits[0, :n], np.float32)
 
-  def hidden(self, token_ids) -> np.ndarray:
+  def hidden(self, token_ids, kv_cache_dtype: str = "auto") -> np.ndarray:
     """[T, hidden] trunk output after the final norm (what the head and the MTP head see)."""
-    _, n, hidden, _ = self._trunk(token_ids)
+    _, n, hidden, _ = self._trunk(token_ids, kv_cache_dtype)
     return np.asarray(hidden[0, :n], np.float32)
 
-  def mtp_logits(self, token_ids) -> np.ndarray:
+  def mtp_logits(self, token_ids, kv_cache_dtype: str = "auto") -> np.ndarray:
     """[T, vocab]: row k = token ids[k] at position k with hidden row k-1 (zero for row 0)."""
     if not self.has_mtp:
       raise errors.SpeculativeConfigError(
@@ -230,10 +236,12 @@ class Model:
           field="blk.N.nextn.*", remedy="use a GGUF or package that includes the MTP head")
     weights = self.stage_weights(with_mtp=True)
     tokens, n = self._padded(token_ids)
-    out = self._run_stages(tokens, weights)
+    cache_dtype = self._kv_dtype(kv_cache_dtype)
+    out = self._run_stages(tokens, weights, cache_dtype)
     if out is not None:
       graphdef, state = weights[self.last]
-      out = self._jit_mtp(graphdef, state, jax.device_put(tokens, self.hops.shardings[self.last]),
+      out = self._jit_mtp(graphdef, cache_dtype, state,
+                          jax.device_put(tokens, self.hops.shardings[self.last]),
                           previous_hidden(out[0]))
     like = jax.ShapeDtypeStruct(tokens.shape + (self.config.vocab_size,), jnp.float32)
     return np.asarray(self.hops.share(out, self.last, like=like)[0, :n], np.float32)

@@ -2,7 +2,7 @@
 per-slot layout, and engines over a pool smaller than slots x max_len against full forwards
 and each request decoded alone (glm4moe, deepseek2 MLA, glm-dsa with index_topk below the
 prompts), with MTP on and off, greedy and sampled, and prefix pages shared; bfloat16 pools held
-as their bits, and a bfloat16 KV cache for a float32 model."""
+as their bits, and bfloat16 and float16 KV caches for a float32 model."""
 
 import dataclasses
 import tempfile
@@ -238,18 +238,32 @@ class PagedEngineTest(parameterized.TestCase):
                      {np.dtype(np.uint16)})
     self.assertEqual(outputs[0], outputs[1])
 
-  def test_a_bfloat16_kv_cache_halves_a_float32_models_pools(self):
+  def test_a_16_bit_kv_cache_halves_a_float32_models_pools(self):
     states = [self.engine("glm4moe", kv_cache_dtype=kv).init_state()
-              for kv in ("auto", "bfloat16")]
-    for state, stored in zip(states, (np.float32, np.uint16)):
+              for kv in ("auto", "bfloat16", "float16")]
+    for state, stored in zip(states, (np.float32, np.uint16, np.float16)):
       self.assertEqual({a.dtype for a in jax.tree.leaves([state.kv, state.mtp.kv])},
                        {np.dtype(stored)})
       self.assertEqual(state.mtp.hidden.dtype, np.float32)   # the history stays the model's
     nbytes = [sum(a.nbytes for a in jax.tree.leaves([s.kv, s.mtp.kv])) for s in states]
     self.assertEqual(nbytes[1] * 2, nbytes[0])
+    self.assertEqual(nbytes[2] * 2, nbytes[0])
     with self.assertRaises(errors.MtpjaxError) as caught:
-      self.engine("glm4moe", kv_cache_dtype="float16")
+      self.engine("glm4moe", kv_cache_dtype="int8")
     self.assertEqual(caught.exception.field, "engine.kv_cache_dtype")
+
+  def test_a_float16_kv_cache_decodes_as_a_full_forward_over_float16_keys_and_values(self):
+    # llama.cpp's default cache: greedy tokens with MTP on are a full forward's whose K/V are
+    # float16, and that forward differs from the float32 one (the values were rounded).
+    model = self.models["glm4moe"]
+    request = _requests(model.config.vocab_size, 1, seed=5)[0]   # the first is greedy
+    result = SlotScheduler(self.engine("glm4moe", kv_cache_dtype="float16"),
+                           adaptive=None).run([request])[0]
+    sequence = np.concatenate([request.prompt, result.tokens[:-1]])
+    logits = model.logits(sequence, kv_cache_dtype="float16")
+    reference = np.argmax(logits, axis=-1)[len(request.prompt) - 1:]
+    self.assertEqual(result.tokens, reference.tolist())
+    self.assertGreater(np.abs(logits - model.logits(sequence)).max(), 0.0)
 
   def test_a_reused_prefix_shares_its_pages(self):
     model = self.models["glm4moe"]

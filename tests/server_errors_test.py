@@ -194,8 +194,8 @@ class StartupErrorTest(parameterized.TestCase):
                              "--config.engine.adaptive_drafting=sometimes"),
        "unknown adaptive drafting mode 'sometimes'"),
       ("bad_kv_cache_dtype", ("--config=configs/glm.py",
-                              "--config.engine.kv_cache_dtype=float16"),
-       "engine.kv_cache_dtype 'float16' is not one of"),
+                              "--config.engine.kv_cache_dtype=int8"),
+       "engine.kv_cache_dtype 'int8' is not one of"),
   )
   def test_exits_with_the_message(self, flags, message):
     tmp = tempfile.mkdtemp(prefix="mtpjax-startup-test-")

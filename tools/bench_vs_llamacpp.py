@@ -30,7 +30,7 @@ from absl import app, flags
 
 import mtpjax
 from mtpjax.embedded import DEMO_PACKAGE
-from mtpjax.engine.contract import pow2_bucket, warm_up
+from mtpjax.engine.contract import KV_CACHE_DTYPES, pow2_bucket, warm_up
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.engine.scheduler import Request
 from mtpjax.models.traffic import weight_mb_per_step
@@ -53,8 +53,12 @@ _ACTIVATIONS = flags.DEFINE_list(
     "weights' exact values in float), int8 (mtpjax.load(int8_activations=True): rows rounded "
     "to int8 per block and multiplied as integers, as llama.cpp does)")
 
+_KV_CACHE_DTYPE = flags.DEFINE_enum(
+    "kv_cache_dtype", "float16", list(KV_CACHE_DTYPES),
+    "mtpjax's KV cache values (engine.kv_cache_dtype); float16 is llama-bench's default cache")
+
 _REPORTED_FLAGS = (_GGUF, _LLAMA_BENCH, _THREADS, _ROUNDS, _LLAMA_REPS, _DECODE_TOKENS,
-                   _PREFILL_TOKENS, _DTYPE, _WEIGHTS, _ACTIVATIONS, _SEED)
+                   _PREFILL_TOKENS, _DTYPE, _WEIGHTS, _ACTIVATIONS, _KV_CACHE_DTYPE, _SEED)
 
 
 def _load(source: str, activations: str):
@@ -96,7 +100,8 @@ def main(argv):
       engines[mode] = loaded.engine(
           native_mtp=False, slots=1,
           max_len=max(_PREFILL_TOKENS.value, 8 + _DECODE_TOKENS.value + 1),
-          prefill_buckets=(pow2_bucket(9), _PREFILL_TOKENS.value))
+          prefill_buckets=(pow2_bucket(9), _PREFILL_TOKENS.value),
+          kv_cache_dtype=_KV_CACHE_DTYPE.value)
       warm_up(engines[mode])
     load_s = time.perf_counter() - start
     decode_request = Request(prompt=decode_prompt, max_new_tokens=_DECODE_TOKENS.value + 1,

@@ -114,21 +114,25 @@ def _sequence_positions(batch: int, length: int) -> jax.Array:
   return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (batch, length))
 
 
-def fresh_forward(model: CausalLM, inp, cache_len: int) -> tuple[jax.Array, list, jax.Array | None]:
+def fresh_forward(model: CausalLM, inp, cache_len: int, kv_dtype=None
+                  ) -> tuple[jax.Array, list, jax.Array | None]:
   """One stage's pass over whole sequences from position 0 on empty caches of `cache_len` rows
-  (a prompt's prefill, or a full-sequence check); `inp` as `interface.stage_forward` takes it."""
+  of `kv_dtype` values (None: the model's dtype), a prompt's prefill or a full-sequence check;
+  `inp` as `interface.stage_forward` takes it."""
   layout = model.layout
   batch, length = (inp if layout.embeddings else inp[0]).shape[:2]
   kv = registry.init_cache(model.cfg, layout.layer_end - layout.layer_start, batch, cache_len,
-                           model.dtype)
+                           kv_dtype or model.dtype)
   return stage_forward(model, inp, _sequence_positions(batch, length), kv)
 
 
-def fresh_mtp_rows(model: CausalLM, tokens, prev_hidden) -> tuple[jax.Array, jax.Array]:
-  """The NextN block over whole sequences [B, T] from position 0 on an empty cache (rows as
-  `interface.previous_hidden` pairs them): (z, y) as `CausalLM.mtp_rows` gives them."""
+def fresh_mtp_rows(model: CausalLM, tokens, prev_hidden, kv_dtype=None
+                   ) -> tuple[jax.Array, jax.Array]:
+  """The NextN block over whole sequences [B, T] from position 0 on an empty cache of
+  `kv_dtype` values (rows as `interface.previous_hidden` pairs them): (z, y) as
+  `CausalLM.mtp_rows` gives them."""
   batch, length = tokens.shape
-  mtp_kv = registry.init_cache(model.cfg, 1, batch, length, model.dtype)[0]
+  mtp_kv = registry.init_cache(model.cfg, 1, batch, length, kv_dtype or model.dtype)[0]
   z, y, _ = model.mtp_rows(tokens, prev_hidden, _sequence_positions(batch, length), mtp_kv)
   return z, y
 

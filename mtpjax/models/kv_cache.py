@@ -43,7 +43,8 @@ class AttentionMetadata(NamedTuple):
 
 
 def storage_dtype(dtype) -> jnp.dtype:
-  """The dtype a cache of `dtype` values is stored in: uint16 bits for bfloat16 on XLA:CPU."""
+  """The dtype a cache of `dtype` values is stored in: uint16 bits for bfloat16 on XLA:CPU
+  (which writes float16 rows in place, but converts a whole bfloat16 pool per write)."""
   dtype = jnp.dtype(dtype)
   if dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
     return jnp.dtype(jnp.uint16)
