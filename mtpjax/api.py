@@ -295,10 +295,12 @@ class Model:
                top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids=(),
                speculative: str | None = None, timing: bool = False,
                adaptive_drafting: bool = True, logprobs: bool = False,
-               draft_window: DraftWindow | None = None) -> Result:
+               draft_window: DraftWindow | None = None, kv_cache_dtype: str = "auto"
+               ) -> Result:
     """Decode one prompt; `Result.tokens` and `Result.stats` (MTP counters).
 
     `logprobs`: `Result.logprobs` holds each token's logprob and top MAX_TOP_LOGPROBS.
+    `kv_cache_dtype`: the KV cache's values, as `engine.kv_cache_dtype` (auto: the activations').
 
     With `adaptive_drafting`, MTP pauses while its drafts keep being rejected (see
     `AdaptiveDrafting`); the tokens are the same either way. `draft_window`: drafts per step
@@ -309,7 +311,8 @@ class Model:
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     max_len = max(128, pow2_bucket(prompt.size + max_new_tokens + 1))
     engine, drafting = self.drafting_engine(resolution, window, max_len=max_len, timing=timing,
-                                            logprobs=MAX_TOP_LOGPROBS if logprobs else 0)
+                                            logprobs=MAX_TOP_LOGPROBS if logprobs else 0,
+                                            kv_cache_dtype=kv_cache_dtype)
     request = Request(prompt=prompt, max_new_tokens=int(max_new_tokens),
                       sampler=SamplerParams(temperature, top_k, top_p, seed),
                       stop_ids=frozenset(int(t) for t in stop_ids), logprobs=logprobs)

@@ -66,15 +66,17 @@ class QuantizedFixtureTest(parameterized.TestCase):
     self.assertEqual(set(by_type), {"float32", "Q8_0"} if qtype == "Q8_0"
                      else {"float32", "Q8_0", "Q5_0", "Q5_1"})
 
-  @parameterized.parameters(False, True)
-  def test_mtp_on_equals_off_greedy_and_sampled(self, int8_activations):
+  @parameterized.parameters((False, "auto"), (True, "float16"))
+  def test_mtp_on_equals_off_greedy_and_sampled(self, int8_activations, kv_cache_dtype):
+    # The default float32 rows, and llama.cpp's arithmetic (int8 rows, a float16 cache).
     model = mtpjax.load(FIXTURE / "glm4moe_h64-Q4_K_M.gguf", weights="quantized",
                         int8_activations=int8_activations)
     prompt = IDS[:12]
     for sampling in (dict(temperature=0.0), dict(temperature=0.9, top_k=40, seed=7)):
-      off = model.generate(prompt, max_new_tokens=12, speculative="disabled", **sampling)
+      off = model.generate(prompt, max_new_tokens=12, speculative="disabled",
+                           kv_cache_dtype=kv_cache_dtype, **sampling)
       on = model.generate(prompt, max_new_tokens=12, speculative="native-mtp-n1",
-                          adaptive_drafting=False, **sampling)
+                          adaptive_drafting=False, kv_cache_dtype=kv_cache_dtype, **sampling)
       self.assertEqual(on.tokens, off.tokens, sampling)
       self.assertGreater(on.stats.drafted, 0)
 
