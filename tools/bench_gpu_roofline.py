@@ -70,6 +70,7 @@ def _llama_steps_ms(gguf_path: str, row_counts: list[int]) -> dict[int, float]:
   for one row, else a batch of that many prompt rows (whose vocabulary head runs for its last
   row only)."""
   threads, batches = _LLAMA_THREADS.value, tuple(n for n in row_counts if n > 1)
+  # A prompt of 0 (one row only): llama-bench runs no prompt test.
   rates = run_llama_bench(_LLAMA_BENCH.value, gguf_path, threads, batches or 0, 16, 2,
                           batch=max(batches, default=None))
   return {n: n * 1e3 / rates[(f"pp{n}" if n > 1 else "tg16", threads)] for n in row_counts}
@@ -131,8 +132,9 @@ def main(argv):
     llama_steps: dict[int, list[float]] = {n: [] for n in slot_counts}
     gguf_path = one_gguf(path, tmp) if _LLAMA_BENCH.value else None
     for _ in range(_ROUNDS.value):
-      for n, ms in (_llama_steps_ms(gguf_path, slot_counts) if gguf_path else {}).items():
-        llama_steps[n].append(ms)
+      if gguf_path:
+        for n, ms in _llama_steps_ms(gguf_path, slot_counts).items():
+          llama_steps[n].append(ms)
       for (mode, slots), engine in engines.items():
         results, step_ms = _steady_steps(engine, requests[:slots])
         steps[mode, slots].append(step_ms)

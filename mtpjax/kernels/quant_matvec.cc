@@ -123,6 +123,12 @@ struct Work {
     }
   }
 
+  static int int8_sum(const int8_t* v, int n) {
+    int sum = 0;
+    for (int i = 0; i < n; ++i) sum += v[i];
+    return sum;
+  }
+
   // x rounded per block of the weight type to int8 times xscale [R, K / block], as llama.cpp
   // rounds it: 32-value blocks as Q8_0 / Q8_1 (scale amax / 127 and, for Q4_1 / Q5_1, the
   // block's sum in float16), 256-value blocks as Q8_K (scale 1 / (127 / amax) in float32);
@@ -142,9 +148,7 @@ struct Work {
       if (block == 32) {   // Q8_0 / Q8_1: the scale, and the sum of the row's values, in float16
         xscale[g] = round_to_half(amax / 127.0f);
         if (kHasMin[type]) {
-          int sum = 0;
-          for (int i = 0; i < 32; ++i) sum += xq[g * 32 + i];
-          xsum[g] = round_to_half(amax / 127.0f * float(sum));
+          xsum[g] = round_to_half(amax / 127.0f * float(int8_sum(&xq[g * 32], 32)));
         }
       } else {             // Q8_K: the float32 inverse of the multiplier
         xscale[g] = amax > 0.0f ? 1.0f / inverse : 0.0f;
@@ -152,18 +156,12 @@ struct Work {
     }
     if (kHasMin[type] && block != 32) {   // Q4_K, Q5_K: the mins' term reads 32-value sums
       for (int64_t g = 0; g < rows * width / 32; ++g) {
-        int sum = 0;
-        for (int i = 0; i < 32; ++i) sum += xq[g * 32 + i];
-        xsum[g] = xscale[g * 32 / block] * float(sum);
+        xsum[g] = xscale[g * 32 / block] * float(int8_sum(&xq[g * 32], 32));
       }
     }
     if (type != Q6_K) return;
     xbsum.resize(rows * width / 16);
-    for (int64_t g = 0; g < rows * width / 16; ++g) {
-      int sum = 0;
-      for (int i = 0; i < 16; ++i) sum += xq[g * 16 + i];
-      xbsum[g] = int16_t(sum);
-    }
+    for (int64_t g = 0; g < rows * width / 16; ++g) xbsum[g] = int16_t(int8_sum(&xq[g * 16], 16));
   }
 
 #ifdef MTPJAX_SIMD
