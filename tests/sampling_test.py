@@ -4,15 +4,23 @@ Distributions are checked against a plain-numpy (float64) statement of the rule,
 many samples at distinct positions and comparing frequencies within a few standard errors.
 """
 
+import functools
+import json
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
 from mtpjax import errors
+from mtpjax.engine import sampling
 from mtpjax.engine.sampling import SamplerParams, greedy_tokens, request_key, sample
 
 _sample = jax.jit(sample)
+_narrow = jax.jit(functools.partial(sample, candidates=4))   # most rows search the whole row
 
 
 def reference_probs(logits, temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -36,14 +44,14 @@ def reference_probs(logits, temperature: float, top_k: int, top_p: float) -> np.
 
 
 def draw(logits, *, n: int, temperature: float, top_k: int = 0, top_p: float = 1.0,
-         seed: int = 0, first_position: int = 0) -> np.ndarray:
+         seed: int = 0, first_position: int = 0, fn=_sample) -> np.ndarray:
   """n samples of one request, one per position first_position .. first_position + n - 1."""
   logits = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, len(logits)))
   keys = jnp.broadcast_to(jnp.asarray(request_key(seed)), (n, 2))
   positions = jnp.arange(first_position, first_position + n, dtype=jnp.int32)
   full = lambda value, dtype: jnp.full((n,), value, dtype)
-  return np.asarray(_sample(logits, keys, positions, full(temperature, jnp.float32),
-                            full(top_k, jnp.int32), full(top_p, jnp.float32)))
+  return np.asarray(fn(logits, keys, positions, full(temperature, jnp.float32),
+                       full(top_k, jnp.int32), full(top_p, jnp.float32)))
 
 
 class ReferenceRuleTest(absltest.TestCase):
@@ -149,6 +157,85 @@ class DistributionTest(parameterized.TestCase):
       self.assert_matches(samples, probs)
 
 
+class WholeRowSearchTest(parameterized.TestCase):
+  """Rows whose top-k set or nucleus reaches past the largest `candidates` values search the
+  whole row; they must keep the same tokens as the candidates-only rule would."""
+
+  LOGITS = np.random.default_rng(21).standard_normal(64).astype(np.float32)
+
+  @parameterized.named_parameters(
+      ("top_k_past_the_candidates", 1.0, 20, 1.0),
+      ("wide_nucleus", 1.0, 0, 0.9),
+      ("top_k_and_wide_nucleus", 0.7, 30, 0.95),
+      ("narrow_nucleus", 0.5, 0, 0.3),
+      ("top_k_within", 1.0, 3, 0.8),
+      ("temperature_only", 1.3, 0, 1.0),
+  )
+  def test_frequencies_and_tokens_match_the_sorted_rule(self, temperature, top_k, top_p):
+    kwargs = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=17)
+    narrow = draw(self.LOGITS, n=20_000, fn=_narrow, **kwargs)
+    DistributionTest().assert_matches(
+        narrow, reference_probs(self.LOGITS, temperature, top_k, top_p))
+    # The default candidates (256) hold all 64 values: every rule is decided among them.
+    np.testing.assert_array_equal(narrow, draw(self.LOGITS, n=20_000, **kwargs))
+
+  def test_a_token_does_not_depend_on_the_rows_beside_it(self):
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((4, 64)).astype(np.float32) * np.array([[4.0], [0.3], [4.0],
+                                                                          [0.3]], np.float32)
+    keys = jnp.asarray(np.stack([request_key(s) for s in range(4)]))
+    temperature = jnp.asarray([1.0, 1.0, 0.0, 0.8], jnp.float32)
+    top_k = jnp.asarray([2, 40, 0, 0], jnp.int32)     # row 1: a top-k past the candidates
+    top_p = jnp.asarray([1.0, 1.0, 1.0, 0.97], jnp.float32)   # row 3: a wide nucleus
+    for position in range(0, 400, 7):
+      positions = jnp.full((4,), position, jnp.int32)
+      together = np.asarray(_narrow(jnp.asarray(logits), keys, positions, temperature, top_k,
+                                    top_p))
+      for r in range(4):
+        alone = _narrow(jnp.asarray(logits[r:r + 1]), keys[r:r + 1], positions[r:r + 1],
+                        temperature[r:r + 1], top_k[r:r + 1], top_p[r:r + 1])
+        self.assertEqual(int(alone[0]), together[r], (position, r))
+
+  def test_largest_reaching_against_numpy(self):
+    row = np.array([3.5, -0.0, 0.0, -2.0, np.inf, -np.inf, 3.5, 1e-30, -1e-30, 7.25],
+                   np.float32)
+    order = np.sort(row)[::-1]
+    fn = jax.jit(sampling._largest_reaching)
+    for k in range(1, row.size + 1):   # unit weights: the k-th largest value
+      got = float(fn(jnp.asarray(row[None]), jnp.ones((1, row.size), jnp.int32),
+                     jnp.asarray([k], jnp.int32))[0])
+      self.assertEqual(got, order[k - 1], k)
+    weights = np.array([0.1, 0.05, 0.05, 0.2, 0.15, 0.0, 0.1, 0.1, 0.05, 0.2], np.float32)
+    # Descending, the running masses are inf 0.15, 7.25 0.35, 3.5 0.55, 1e-30 0.65, 0.0 0.7,
+    # -0.0 0.75 (below +0.0 in this order), -1e-30 0.8, -2.0 1.0: the value where it reaches
+    # `need`.
+    for need, want in ((0.1, np.inf), (0.3, 7.25), (0.5, 3.5), (0.6, 1e-30), (0.68, 0.0),
+                       (0.72, -0.0), (0.78, -1e-30), (0.9, -2.0)):
+      got = np.float32(fn(jnp.asarray(row[None]), jnp.asarray(weights[None]),
+                          jnp.asarray([need], jnp.float32))[0])
+      self.assertEqual((got, np.signbit(got)), (np.float32(want), np.signbit(want)), need)
+
+  def test_logits_that_move_in_the_last_bits_keep_their_tokens(self):
+    """A verify row's logits may differ from a decode row's by a rounding (bfloat16 models):
+    MTP on equals MTP off only if such a change rarely moves a draw. One Gumbel per token
+    moves it with a probability of about the change; an inverse CDF over the vocabulary
+    would sum the changes of every token before it."""
+    logits = np.random.default_rng(8).standard_normal(2500).astype(np.float32) * 2
+    rounded = np.asarray(jnp.asarray(logits).astype(jnp.bfloat16).astype(jnp.float32))
+    self.assertGreater(np.abs(rounded - logits).max(), 1e-3)
+    a, b = (draw(row, n=4000, temperature=1.0, seed=6) for row in (logits, rounded))
+    self.assertLess(np.mean(a != b), 0.03)
+
+  def test_a_vocabulary_of_several_draw_blocks(self):
+    """2,500 tokens: three blocks of the draw, the last one partial, mass in each."""
+    logits = np.full(2500, -4.0, np.float32)
+    logits[[3, 1500, 2499, 1023, 1024]] = [2.0, 2.5, 1.5, 1.0, 0.5]
+    probs = reference_probs(logits, 1.0, 0, 1.0)
+    samples = np.concatenate([draw(logits, n=4000, temperature=1.0, seed=2,
+                                   first_position=4000 * i) for i in range(5)])
+    DistributionTest().assert_matches(samples, probs)
+
+
 class KeyingTest(absltest.TestCase):
 
   def test_same_seed_and_position_give_the_same_sample(self):
@@ -177,6 +264,23 @@ class KeyingTest(absltest.TestCase):
     self.assertLess(abs(np.mean(a[1:] == a[:-1]) - p_same), 5 * sigma)  # adjacent positions
     self.assertLess(abs(np.mean(a == b) - p_same), 5 * sigma)           # two seeds
     self.assertLess(abs(np.mean(a == a[::-1]) - p_same), 5 * sigma)
+
+
+class BenchSamplingTest(absltest.TestCase):
+
+  def test_prints_every_sampler_and_profile_in_one_json_line(self):
+    run = subprocess.run(
+        [sys.executable, "-m", "tools.bench_sampling", "--vocab=3000", "--rows=2",
+         "--samplers=1.0:0:0.9,0.7:300:1.0", "--repeats=1"],
+        cwd=pathlib.Path(__file__).resolve().parents[1], capture_output=True, text=True,
+        timeout=600)
+    self.assertEqual(run.returncode, 0, run.stderr[-3000:])
+    line = json.loads(run.stdout.strip().splitlines()[-1])
+    self.assertEqual(set(line["ms"]), {"peaked_rows2", "flat_rows2"})
+    for timings in line["ms"].values():
+      self.assertEqual(set(timings), {"greedy_ms", "sampled_1.0:0:0.9_ms",
+                                      "sampled_0.7:300:1.0_ms", "sort_of_the_rows_ms"})
+      self.assertTrue(all(ms > 0 for ms in timings.values()), timings)
 
 
 class ValidateTest(parameterized.TestCase):
