@@ -1,9 +1,9 @@
 """mtpjax against llama.cpp on one GGUF: decode and a 512-token prefill, one JSON line.
 
 Each round runs llama.cpp's `llama-bench` (`tg128` and `pp512`, at each --threads value) and
-then mtpjax (MTP off, batch 1: the mean decode step over --decode_tokens tokens, and one
-prefill of a --prefill_tokens bucket) in each --activations mode, so that drift of this shared
-machine hits every side alike. mtpjax runs on XLA's CPU client with its default threads (every
+then mtpjax (MTP off, batch 1, greedy unless --temperature is set: the mean decode step over
+--decode_tokens tokens, and one prefill of a --prefill_tokens bucket) in each --activations
+mode, so that drift of this shared machine hits every side alike. mtpjax runs on XLA's CPU client with its default threads (every
 core).
 
 Reported beside the ratios: the weight bytes each side reads per decoded token. mtpjax: the
@@ -35,9 +35,11 @@ from mtpjax.engine.sampling import SamplerParams
 from mtpjax.engine.scheduler import Request
 from mtpjax.models.traffic import weight_mb_per_step
 from tools.llama_cpp import gguf_bytes_per_token, one_gguf, run_llama_bench
-# bench_decode's decode timing, and its --rounds, --dtype, --weights and --seed flags (absl
-# flags are global: this tool reads them rather than defining its own of the same names).
-from tools.bench_decode import _DTYPE, _ROUNDS, _SEED, _WEIGHTS, _step_ms, _timed_run
+# bench_decode's decode timing, and its --rounds, --dtype, --weights, --seed, --temperature and
+# --top_p flags (absl flags are global: this tool reads them rather than defining its own of
+# the same names).
+from tools.bench_decode import (_DTYPE, _ROUNDS, _SEED, _TEMPERATURE, _TOP_P, _WEIGHTS,
+                                _step_ms, _timed_run)
 
 _GGUF = flags.DEFINE_string("gguf", "", "GGUF file or layer package (joined into one GGUF for "
                             "llama-bench); empty: the shipped demo package")
@@ -58,7 +60,8 @@ _KV_CACHE_DTYPE = flags.DEFINE_enum(
     "mtpjax's KV cache values (engine.kv_cache_dtype); float16 is llama-bench's default cache")
 
 _REPORTED_FLAGS = (_GGUF, _LLAMA_BENCH, _THREADS, _ROUNDS, _LLAMA_REPS, _DECODE_TOKENS,
-                   _PREFILL_TOKENS, _DTYPE, _WEIGHTS, _ACTIVATIONS, _KV_CACHE_DTYPE, _SEED)
+                   _PREFILL_TOKENS, _DTYPE, _WEIGHTS, _ACTIVATIONS, _KV_CACHE_DTYPE, _SEED,
+                   _TEMPERATURE, _TOP_P)
 
 
 def _load(source: str, activations: str):
@@ -94,7 +97,8 @@ def main(argv):
     # The prefill bucket computes prompt + 1 rows (the first sampled token's row).
     prefill_prompt = rng.integers(0, vocab, _PREFILL_TOKENS.value - 1).astype(np.int32)
     decode_prompt = rng.integers(0, vocab, 8).astype(np.int32)
-    greedy = SamplerParams(0.0, 0, 1.0, seed=_SEED.value)
+    # llama-bench samples nothing; --temperature / --top_p price mtpjax's sampler beside it.
+    sampler = SamplerParams(_TEMPERATURE.value, 0, _TOP_P.value, seed=_SEED.value)
     engines = {}
     for mode, loaded in models.items():
       engines[mode] = loaded.engine(
@@ -105,8 +109,8 @@ def main(argv):
       warm_up(engines[mode])
     load_s = time.perf_counter() - start
     decode_request = Request(prompt=decode_prompt, max_new_tokens=_DECODE_TOKENS.value + 1,
-                             sampler=greedy)
-    prefill_request = Request(prompt=prefill_prompt, max_new_tokens=1, sampler=greedy)
+                             sampler=sampler)
+    prefill_request = Request(prompt=prefill_prompt, max_new_tokens=1, sampler=sampler)
     for engine in engines.values():
       _mtpjax_round(engine, decode_request, prefill_request)   # untimed: device caches
     llama: dict[tuple[str, int], list[float]] = {}
