@@ -54,6 +54,15 @@ def draw(logits, *, n: int, temperature: float, top_k: int = 0, top_p: float = 1
                        full(top_k, jnp.int32), full(top_p, jnp.float32)))
 
 
+def assert_frequencies(samples: np.ndarray, probs: np.ndarray):
+  """No sample outside the support; each token's frequency within 5 standard errors."""
+  freq = np.bincount(samples, minlength=probs.size) / samples.size
+  np.testing.assert_array_equal(freq[probs == 0], 0, err_msg="sampled outside the support")
+  sigma = np.sqrt(probs * (1 - probs) / samples.size)
+  np.testing.assert_array_less(np.abs(freq - probs), 5 * sigma + 1e-3,
+                               err_msg=f"freq {freq} vs probs {probs}")
+
+
 class ReferenceRuleTest(absltest.TestCase):
   """The numpy reference itself, on hand-computed cases."""
 
@@ -124,13 +133,6 @@ class DistributionTest(parameterized.TestCase):
 
   N = 40_000
 
-  def assert_matches(self, samples: np.ndarray, probs: np.ndarray):
-    freq = np.bincount(samples, minlength=probs.size) / samples.size
-    self.assertTrue(np.all(freq[probs == 0] == 0), f"sampled outside the support: {freq}")
-    sigma = np.sqrt(probs * (1 - probs) / samples.size)
-    np.testing.assert_array_less(np.abs(freq - probs), 5 * sigma + 1e-3,
-                                 err_msg=f"freq {freq} vs probs {probs}")
-
   @parameterized.named_parameters(
       ("softmax", 1.0, 0, 1.0),
       ("cold", 0.5, 0, 1.0),
@@ -145,7 +147,7 @@ class DistributionTest(parameterized.TestCase):
     logits = np.log([0.4, 0.3, 0.2, 0.1])
     probs = reference_probs(logits, temperature, top_k, top_p)
     samples = draw(logits, n=self.N, temperature=temperature, top_k=top_k, top_p=top_p, seed=3)
-    self.assert_matches(samples, probs)
+    assert_frequencies(samples, probs)
 
   def test_nucleus_is_the_smallest_set(self):
     """Six tokens; the nucleus boundary moves one token at a time as top_p grows."""
@@ -154,7 +156,7 @@ class DistributionTest(parameterized.TestCase):
       probs = reference_probs(logits, 1.0, 0, top_p)
       self.assertEqual(int((probs > 0).sum()), support)
       samples = draw(logits, n=self.N, temperature=1.0, top_p=top_p, seed=11)
-      self.assert_matches(samples, probs)
+      assert_frequencies(samples, probs)
 
 
 class WholeRowSearchTest(parameterized.TestCase):
@@ -174,8 +176,7 @@ class WholeRowSearchTest(parameterized.TestCase):
   def test_frequencies_and_tokens_match_the_sorted_rule(self, temperature, top_k, top_p):
     kwargs = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=17)
     narrow = draw(self.LOGITS, n=20_000, fn=_narrow, **kwargs)
-    DistributionTest().assert_matches(
-        narrow, reference_probs(self.LOGITS, temperature, top_k, top_p))
+    assert_frequencies(narrow, reference_probs(self.LOGITS, temperature, top_k, top_p))
     # The default candidates (256) hold all 64 values: every rule is decided among them.
     np.testing.assert_array_equal(narrow, draw(self.LOGITS, n=20_000, **kwargs))
 
@@ -233,7 +234,7 @@ class WholeRowSearchTest(parameterized.TestCase):
     probs = reference_probs(logits, 1.0, 0, 1.0)
     samples = np.concatenate([draw(logits, n=4000, temperature=1.0, seed=2,
                                    first_position=4000 * i) for i in range(5)])
-    DistributionTest().assert_matches(samples, probs)
+    assert_frequencies(samples, probs)
 
 
 class KeyingTest(absltest.TestCase):
