@@ -4,8 +4,9 @@
 greedy rows and for sampled rows with each sampler of --samplers, on two logit profiles:
 `peaked` (Zipf, exponent 2: a trained model's usual row, its top-p nucleus a few tokens) and
 `flat` (normal, std 3: the nucleus of top_p 0.95 is thousands of tokens, past the candidates, so
-each row searches its whole row). Beside them, in the same run, a sort of the same rows: what
-the top-k / top-p rule cost every sampled row when it sorted the vocabulary.
+each row searches its whole row). Beside them, a sort of the same rows: what the top-k / top-p
+rule cost every sampled row when it sorted the vocabulary. The variants of a row count are
+timed alternately in one process (bench_moe's timing), the best of --repeats each.
 
   python -m tools.bench_sampling --rows=1,8 --samplers=1.0:0:1.0,1.0:0:0.95,0.8:40:0.95
 """
@@ -13,7 +14,6 @@ the top-k / top-p rule cost every sampled row when it sorted the vocabulary.
 from __future__ import annotations
 
 import json
-import time
 
 import jax
 import jax.numpy as jnp
@@ -21,28 +21,20 @@ import numpy as np
 from absl import app, flags
 
 from mtpjax.engine.sampling import CANDIDATES, request_key, sample
+# bench_moe's timing (the variants alternated in one process, the best of --repeats each) and
+# its --repeats flag (absl flags are global: read, not redefined).
+from tools.bench_moe import _REPEATS, _best_ms
 
 _VOCAB = flags.DEFINE_integer("vocab", 154_880, "vocabulary size")
 _ROWS = flags.DEFINE_list("rows", ["1", "8"], "rows per call (slots x verify rows)")
 _SAMPLERS = flags.DEFINE_list("samplers", ["1.0:0:1.0", "1.0:0:0.95", "0.8:40:0.95"],
                               "temperature:top_k:top_p of the sampled rows")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "timed calls per variant (best is reported)")
 
 
 def _profiles(rng, vocab: int) -> dict[str, np.ndarray]:
   rank = rng.permutation(vocab) + 1.0
   return {"peaked": (-2.0 * np.log(rank)).astype(np.float32),
           "flat": (3.0 * rng.standard_normal(vocab)).astype(np.float32)}
-
-
-def _best_ms(fn, *args) -> float:
-  jax.block_until_ready(fn(*args))            # compile
-  best = float("inf")
-  for _ in range(_REPEATS.value):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    best = min(best, 1e3 * (time.perf_counter() - start))
-  return round(best, 3)
 
 
 def _parse(sampler: str) -> tuple[float, int, float]:
@@ -65,15 +57,14 @@ def main(argv):
       logits = jnp.asarray(np.broadcast_to(row, (n, row.size)))
       keys = jnp.asarray(np.stack([request_key(i) for i in range(n)]))
       positions = jnp.arange(n, dtype=jnp.int32)
-      full = lambda value, dtype, n=n: jnp.full((n,), value, dtype)
-      line = {"greedy_ms": _best_ms(fn, logits, keys, positions, full(0.0, jnp.float32),
-                                    full(0, jnp.int32), full(1.0, jnp.float32))}
-      for label, (temperature, top_k, top_p) in samplers.items():
-        line[f"sampled_{label}_ms"] = _best_ms(
-            fn, logits, keys, positions, full(temperature, jnp.float32),
-            full(top_k, jnp.int32), full(top_p, jnp.float32))
-      line["sort_of_the_rows_ms"] = _best_ms(sort, logits)
-      results[f"{name}_rows{n}"] = line
+      params = lambda t, k, p, n=n: (jnp.full((n,), t, jnp.float32), jnp.full((n,), k, jnp.int32),
+                                     jnp.full((n,), p, jnp.float32))
+      variants = {"greedy": (logits, keys, positions, *params(0.0, 0, 1.0)),
+                  **{f"sampled_{label}": (logits, keys, positions, *params(*values))
+                     for label, values in samplers.items()}}
+      ms = _best_ms({**dict.fromkeys(variants, fn), "sort_of_the_rows": sort},
+                    {**variants, "sort_of_the_rows": (logits,)})
+      results[f"{name}_rows{n}"] = {f"{v}_ms": round(value, 3) for v, value in ms.items()}
   print(json.dumps({
       "flags": {f.name: f.value for f in (_VOCAB, _ROWS, _SAMPLERS, _REPEATS)},
       "candidates": CANDIDATES, "device": jax.devices()[0].device_kind, "ms": results}))

@@ -3,8 +3,8 @@
 Each round runs llama.cpp's `llama-bench` (`tg128` and `pp512`, at each --threads value) and
 then mtpjax (MTP off, batch 1, greedy unless --temperature is set: the mean decode step over
 --decode_tokens tokens, and one prefill of a --prefill_tokens bucket) in each --activations
-mode, so that drift of this shared machine hits every side alike. mtpjax runs on XLA's CPU client with its default threads (every
-core).
+mode, so that drift of this shared machine hits every side alike. mtpjax runs on XLA's CPU
+client with its default threads (every core).
 
 Reported beside the ratios: the weight bytes each side reads per decoded token. mtpjax: the
 parameter bytes of a plain decode step (`models/traffic.py`: routed experts counted at top-k of

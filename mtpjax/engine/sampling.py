@@ -120,19 +120,20 @@ def _thresholds(rows: jax.Array, top_k: jax.Array, top_p: jax.Array, candidates:
   closed = (width == vocab) | ~kept[:, -1]
   search = ~kth_known | (nucleus & ~closed)
 
-  def searched(row, top_r, k_r, kth_r, kth_known_r, top_p_r, nucleus_r):
+  def searched(row, top_r, k_r, kth_r, top_p_r):
     row = row[None]
-    kth_r = jax.lax.cond(kth_known_r, lambda: kth_r[None], lambda: _largest_reaching(
-        row, jnp.ones(row.shape, jnp.int32), k_r[None]))
+    kth_r = jax.lax.cond((k_r <= width) | (k_r >= vocab), lambda: kth_r[None],
+                         lambda: _largest_reaching(row, jnp.ones(row.shape, jnp.int32), k_r[None]))
     weights = _kept_weights(row, top_r[None], kth_r)
-    cut = jax.lax.cond(nucleus_r, lambda: _largest_reaching(
+    cut = jax.lax.cond(top_p_r < 1.0, lambda: _largest_reaching(
         row, weights, top_p_r * jnp.sum(weights, axis=-1)), lambda: jnp.full((1,), -jnp.inf))
     return jnp.maximum(kth_r, cut)[0]
 
-  # Row by row (a loop, not a batch): only the rows that need a search pay for it.
-  per_row = lambda args: jax.lax.cond(args[0], lambda: searched(*args[2:]), lambda: args[1])
-  return jax.lax.cond(jnp.any(search), lambda: jax.lax.map(per_row, (
-      search, fast, rows, top, k, kth, kth_known, top_p, nucleus)), lambda: fast)
+  def per_row(args):   # a loop, not a batch: only the rows that need a search pay for it
+    needs_search, fast_r, *row = args
+    return jax.lax.cond(needs_search, lambda: searched(*row), lambda: fast_r)
+  return jax.lax.cond(jnp.any(search), lambda: jax.lax.map(
+      per_row, (search, fast, rows, top, k, kth, top_p)), lambda: fast)
 
 
 def _draw(rows: jax.Array, threshold: jax.Array, keys: jax.Array) -> jax.Array:
