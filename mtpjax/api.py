@@ -64,7 +64,7 @@ class Model:
 
   def __init__(self, source, cfg: ModelConfig, *, dtype: str, resolution,
                config=None, mesh=None, checkpoint_dir: pathlib.Path | None = None,
-               weights: str = "quantized", int8_activations: bool = False):
+               weights: str = "quantized", int8_activations: bool = True):
     self.source = source
     self.config = cfg
     self.dtype = dtype
@@ -204,8 +204,27 @@ class Model:
         x = self._jit_stage(entry[0], selections[s + 1] is not None, cache_dtype, entry[1], x)
     return x if weights[self.last] is not None else None
 
+  @functools.cached_property
+  def llama_cpp_arithmetic(self) -> bool:
+    """Whether this model multiplies its quantized weights as llama.cpp's CPU backend does:
+    int8 rows (`int8_activations`) against weights whose integers take them (XLA:CPU's native
+    kernel). Its "auto" KV cache is then llama.cpp's too (`kv_cache_name`)."""
+    if not (self.int8_activations and self.weight_mode == "quantized"):
+      return False
+    types = (self.source.tensor_types if self._checkpoint_dir is not None
+             else loading.tensor_types(self.source))
+    return quantized.multiplies_int8_rows(types.values())
+
+  def kv_cache_name(self, kv_cache_dtype: str) -> str:
+    """`kv_cache_dtype` with "auto" resolved: float16 under llama.cpp's arithmetic (its
+    default cache, which the int8 rows' results were made with: over a float32 cache they flip
+    near-ties the llama.cpp fixtures hold), else the activations' dtype."""
+    if kv_cache_dtype == "auto" and self.llama_cpp_arithmetic:
+      return "float16"
+    return kv_cache_dtype
+
   def _kv_dtype(self, kv_cache_dtype: str) -> jnp.dtype:
-    return kv_dtype(kv_cache_dtype, loading.resolve_dtype(self.dtype))
+    return kv_dtype(self.kv_cache_name(kv_cache_dtype), loading.resolve_dtype(self.dtype))
 
   def _trunk(self, token_ids, kv_cache_dtype: str):
     tokens, n = self._padded(token_ids)
@@ -219,7 +238,7 @@ class Model:
 
   def logits(self, token_ids, kv_cache_dtype: str = "auto") -> np.ndarray:
     """[T, vocab] logits of a causal forward over positions 0..T-1, its keys and values kept
-    as an engine with `kv_cache_dtype` keeps them (auto: the activation dtype)."""
+    as an engine with `kv_cache_dtype` keeps them ("auto" as `kv_cache_name` resolves it)."""
     _, n, _, logits = self._trunk(token_ids, kv_cache_dtype)
     return np.asarray(logits[0, :n], np.float32)
 
@@ -265,13 +284,13 @@ class Model:
     `prefix_cache`: prompt prefixes kept for reuse (0: none); `draft_tokens`: the deepest
     draft window its steps verify (native MTP, or `host_drafts`: an n-gram proposer's, alone
     or extending the MTP chain); `kv_page` rows per KV page and `kv_pages` pages per pool
-    (0: every slot at full context); `kv_cache_dtype` the KV cache's values (auto: the
-    activation dtype)."""
+    (0: every slot at full context); `kv_cache_dtype` the KV cache's values ("auto" as
+    `kv_cache_name` resolves it)."""
     drafts = native_mtp or host_drafts
     settings = dict(slots=slots, native_mtp=native_mtp, timing=timing, logprobs=logprobs,
                     prefix_cache=prefix_cache, draft_tokens=draft_tokens if drafts else 1,
                     host_drafts=host_drafts, kv_page=kv_page, kv_pages=kv_pages,
-                    kv_cache_dtype=kv_cache_dtype)
+                    kv_cache_dtype=self.kv_cache_name(kv_cache_dtype))
     engine_cfg = (EngineConfig(max_len=max_len, prefill_buckets=tuple(prefill_buckets),
                                **settings)
                   if prefill_buckets else
@@ -300,7 +319,7 @@ class Model:
     """Decode one prompt; `Result.tokens` and `Result.stats` (MTP counters).
 
     `logprobs`: `Result.logprobs` holds each token's logprob and top MAX_TOP_LOGPROBS.
-    `kv_cache_dtype`: the KV cache's values, as `engine.kv_cache_dtype` (auto: the activations').
+    `kv_cache_dtype`: the KV cache's values, as `engine.kv_cache_dtype` (`kv_cache_name`).
 
     With `adaptive_drafting`, MTP pauses while its drafts keep being rejected (see
     `AdaptiveDrafting`); the tokens are the same either way. `draft_window`: drafts per step
@@ -326,7 +345,7 @@ class PipelinedModel(Model):
   processes own."""
 
   def __init__(self, source, cfg, *, dtype: str, resolution, plan: PipelinePlan, config=None,
-               checkpoint_dir=None, weights: str = "quantized", int8_activations: bool = False):
+               checkpoint_dir=None, weights: str = "quantized", int8_activations: bool = True):
     self.plan = plan
     super().__init__(source, cfg, dtype=dtype, resolution=resolution, config=config,
                      mesh=plan.meshes[0], checkpoint_dir=checkpoint_dir, weights=weights,
@@ -387,10 +406,10 @@ def _weights_setting(weights: str | None, config) -> str | None:
 
 
 def _int8_setting(int8_activations: bool | None, config) -> bool:
-  """The explicit argument wins over `config.model.int8_activations` (default False)."""
+  """The explicit argument wins over `config.model.int8_activations`; neither set: True."""
   if int8_activations is None and config is not None:
     int8_activations = config.model.get("int8_activations")
-  return bool(int8_activations)
+  return True if int8_activations is None else bool(int8_activations)
 
 
 def _mesh_settings(config, stages: int, splits) -> tuple[int, Sequence[int] | None, int]:
@@ -433,9 +452,10 @@ def load(source, *, dtype: str = "float32", weights: str | None = None, stages: 
   default; GGUF-quantized tensors stay integers + scales on the device, computing with values
   equal to gguf-py's dequantization) or "dense" (dequantized to `dtype` at load); None takes
   `config.model.weights`, or a checkpoint's own form. `int8_activations` (None takes
-  `config.model.int8_activations`, else False): on XLA:CPU, quantized weights multiply rows
-  rounded to int8 per block as integers, as llama.cpp does (about 2-3x faster decode there;
-  the weights stay exact, the results move by the rounding of the rows).
+  `config.model.int8_activations`, else True): on XLA:CPU, quantized weights multiply rows
+  rounded to int8 per block as integers, as llama.cpp does (about 2x faster decode there;
+  the weights stay exact, the results move by the rounding of the rows, and an "auto" KV
+  cache is llama.cpp's float16: `Model.kv_cache_name`); False keeps float32 rows.
   """
   loading.resolve_dtype(dtype)
   weights = _weights_setting(weights, config)

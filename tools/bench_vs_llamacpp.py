@@ -51,9 +51,10 @@ _DECODE_TOKENS = flags.DEFINE_integer("decode_tokens", 128, "tokens decoded (lla
 _PREFILL_TOKENS = flags.DEFINE_integer("prefill_tokens", 512, "prefill bucket (llama.cpp pp512)")
 _ACTIVATIONS = flags.DEFINE_list(
     "activations", ["float32", "int8"],
-    "mtpjax's activation modes, each measured in every round: float32 (rows multiply the "
-    "weights' exact values in float), int8 (mtpjax.load(int8_activations=True): rows rounded "
-    "to int8 per block and multiplied as integers, as llama.cpp does)")
+    "mtpjax's activation modes, each measured in every round: float32 "
+    "(mtpjax.load(int8_activations=False): rows multiply the weights' exact values in float), "
+    "int8 (mtpjax.load's default: rows rounded to int8 per block and multiplied as integers, "
+    "as llama.cpp does)")
 
 _KV_CACHE_DTYPE = flags.DEFINE_enum(
     "kv_cache_dtype", "float16", list(KV_CACHE_DTYPES),

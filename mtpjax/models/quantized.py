@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+from typing import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -274,6 +275,13 @@ def takes_native(type_name: str, rows: int, int8_activations: bool = False) -> b
   if _DECODE_ROWS.get() or (int8_activations and native.integer_rows(type_name)):
     return native.available()
   return rows <= NATIVE_ROWS and native.available()
+
+
+def multiplies_int8_rows(type_names: Iterable[str]) -> bool:
+  """Whether int8 rows multiply as integers against any of these weight types here (XLA:CPU
+  with the native kernel built): llama.cpp's CPU arithmetic."""
+  return (jax.default_backend() == "cpu"
+          and any(native.integer_rows(name) for name in set(type_names)))
 
 
 def native_contract(x: jax.Array, ids: jax.Array | None, type_name: str,
