@@ -146,7 +146,7 @@ class Model:
     """(graphdef, state) of one layout, from the checkpoint parts or streamed from the source."""
     if self._checkpoint_dir is not None:
       graphdef, abstract, _ = loading.abstract_stage(self.config, layout, self.dtype,
-                                                     self.source.tensor_types, self.weight_mode)
+                                                     self._tensor_types, self.weight_mode)
       leaves = checkpoint.restore_leaves(self._checkpoint_dir, layout,
                                          loading.flat_paths(abstract), sharding_fn)
       loaded = loading.assemble(graphdef, abstract, leaves)
@@ -205,15 +205,21 @@ class Model:
     return x if weights[self.last] is not None else None
 
   @functools.cached_property
+  def _tensor_types(self) -> dict[str, str]:
+    """GGUF tensor name -> ggml type name: a checkpoint's record of its source, else read from
+    the source's tensor infos."""
+    if self._checkpoint_dir is not None:
+      return self.source.tensor_types
+    return loading.tensor_types(self.source)
+
+  @functools.cached_property
   def llama_cpp_arithmetic(self) -> bool:
     """Whether this model multiplies its quantized weights as llama.cpp's CPU backend does:
     int8 rows (`int8_activations`) against weights whose integers take them (XLA:CPU's native
     kernel). Its "auto" KV cache is then llama.cpp's too (`kv_cache_name`)."""
     if not (self.int8_activations and self.weight_mode == "quantized"):
       return False
-    types = (self.source.tensor_types if self._checkpoint_dir is not None
-             else loading.tensor_types(self.source))
-    return quantized.multiplies_int8_rows(types.values())
+    return quantized.multiplies_int8_rows(self._tensor_types.values())
 
   def kv_cache_name(self, kv_cache_dtype: str) -> str:
     """`kv_cache_dtype` with "auto" resolved: float16 under llama.cpp's arithmetic (its
