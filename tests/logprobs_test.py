@@ -25,7 +25,11 @@ class LogprobsTest(parameterized.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.model = mtpjax.load(str(embedded.DEMO_PACKAGE))
+    # Float32 rows: a decode step's attention and a full forward's sum in different orders, and
+    # under int8 rows (the default on a CPU) a last-bit difference can round a value of x to
+    # the next int8 and move a logprob by ~4e-3, so the full-forward reference holds to 2e-5
+    # only for float rows. MTP on == off with int8 rows: quantized_model_test.
+    cls.model = mtpjax.load(str(embedded.DEMO_PACKAGE), int8_activations=False)
     cls.prompt = np.array([40, 262, 1006, 13, 291, 4, 1700, 10, 88, 31, 400, 17], np.int32)
 
   def generate(self, speculative: str, temperature: float):
@@ -55,7 +59,7 @@ class LogprobsTest(parameterized.TestCase):
 
   def test_a_pipeline_gives_the_single_device_logprobs(self):
     """The last stage computes them and every process reads the same (one engine for both)."""
-    piped = mtpjax.load(str(embedded.DEMO_PACKAGE), stages=2)
+    piped = mtpjax.load(str(embedded.DEMO_PACKAGE), stages=2, int8_activations=False)
     kwargs = dict(max_new_tokens=12, seed=7, speculative="native-mtp-n1",
                   adaptive_drafting=False, logprobs=True)
     want, got = self.model.generate(self.prompt, **kwargs), piped.generate(self.prompt, **kwargs)

@@ -96,19 +96,17 @@ struct Work {
     int g = tile_group[t];
     const int* group = order.data() + tile_start[t];
     int count = tile_start[t + 1] - tile_start[t];
-    for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t n = n0; n < n1;) {
       int64_t first = matrix[g] * blocks_per_matrix + n * blocks_per_row;
 #ifdef MTPJAX_SIMD
       if (simd_type(type)) {
-        if (int8_x) {
-          simd_row<true>(first, group, count, n);
-        } else {
-          simd_row<false>(first, group, count, n);
-        }
+        n += int8_x ? simd_row<true>(first, group, count, n, n1 - n)
+                    : simd_row<false>(first, group, count, n, n1 - n);
         continue;
       }
 #endif
       scalar_row(first, group, count, n);
+      ++n;
     }
   }
 
@@ -166,37 +164,48 @@ struct Work {
 
 #ifdef MTPJAX_SIMD
   // int8 rows, 32-value blocks: each block's integers times each row's int8 values, scaled by
-  // the block's and the row's scales.
-  template <int T, int count>
+  // the block's and the row's scales, into one accumulator a row and output row (as llama.cpp
+  // sums); output rows n .. n + outs - 1 (blocks `first` + o x blocks_per_row) go together.
+  template <int T, int count, int outs>
   void small_block_rows_of(int64_t first, const int* group, int64_t n) {
     constexpr bool nonneg = kHasMin[T];
-    __m256 acc[count][2];
-    float mins[count];
+    __m256 acc[outs][count];
+    float mins[outs][count];
     const int8_t* xr[count];
     const float* xd[count];
     #pragma GCC unroll 4
     for (int r = 0; r < count; ++r) {
-      acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-      mins[r] = 0.0f;
       xr[r] = xq.data() + group[r] * width;
       xd[r] = xscale.data() + group[r] * blocks_per_row;
+      #pragma GCC unroll 4
+      for (int o = 0; o < outs; ++o) {
+        acc[o][r] = _mm256_setzero_ps();
+        mins[o][r] = 0.0f;
+      }
     }
     for (int64_t b = 0; b < blocks_per_row; ++b) {
-      Run run;
-      simd_runs(T, fields, first + b, &run);
-      __m256i magnitude = nonneg ? run.q : _mm256_sign_epi8(run.q, run.q);
       #pragma GCC unroll 4
-      for (int r = 0; r < count; ++r) {
-        __m256i xv = load32(reinterpret_cast<const uint8_t*>(xr[r] + b * 32));
-        __m256i pairs = _mm256_maddubs_epi16(magnitude, nonneg ? xv : _mm256_sign_epi8(xv, run.q));
-        __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-        acc[r][b & 1] = _mm256_fmadd_ps(sums, _mm256_set1_ps(run.s0 * xd[r][b]), acc[r][b & 1]);
-        if (nonneg) mins[r] += run.m * xsum[group[r] * blocks_per_row + b];
+      for (int o = 0; o < outs; ++o) {
+        Run run;
+        simd_runs(T, fields, first + o * blocks_per_row + b, &run);
+        __m256i magnitude = nonneg ? run.q : _mm256_sign_epi8(run.q, run.q);
+        #pragma GCC unroll 4
+        for (int r = 0; r < count; ++r) {
+          __m256i xv = load32(reinterpret_cast<const uint8_t*>(xr[r] + b * 32));
+          __m256i pairs =
+              _mm256_maddubs_epi16(magnitude, nonneg ? xv : _mm256_sign_epi8(xv, run.q));
+          __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+          acc[o][r] = _mm256_fmadd_ps(sums, _mm256_set1_ps(run.s0 * xd[r][b]), acc[o][r]);
+          if (nonneg) mins[o][r] += run.m * xsum[group[r] * blocks_per_row + b];
+        }
       }
     }
     #pragma GCC unroll 4
-    for (int r = 0; r < count; ++r) {
-      y[group[r] * out_rows + n] = horizontal_sum(_mm256_add_ps(acc[r][0], acc[r][1])) - mins[r];
+    for (int o = 0; o < outs; ++o) {
+      #pragma GCC unroll 4
+      for (int r = 0; r < count; ++r) {
+        y[group[r] * out_rows + n + o] = horizontal_sum(acc[o][r]) - mins[o][r];
+      }
     }
   }
 
@@ -335,22 +344,35 @@ struct Work {
       y[group[r] * out_rows + n] = horizontal_sum(a) - mins[r];
     }
   }
-  // One output row for the rows of a group, by type and path. Rows go through in fours or
-  // fewer, each count its own compiled copy with its accumulators in registers; a row's
-  // arithmetic is the same in every copy.
-  template <bool kInt8, int T, int count>
+  // Output rows n .. n + outs - 1 for the rows of a group, by type and path. Rows go through in
+  // fours or fewer, each count its own compiled copy with its accumulators in registers; a
+  // row's arithmetic is the same in every copy.
+  template <bool kInt8, int T, int count, int outs = 1>
   void rows_of(int64_t first, const int* group, int64_t n) {
     if constexpr (!kInt8) {
       simd_rows_of<T, count>(first, group, n);
     } else if constexpr (kBlock[T] == 256) {
       kquant_rows_of<T, count>(first, group, n);
     } else {
-      small_block_rows_of<T, count>(first, group, n);
+      small_block_rows_of<T, count, outs>(first, group, n);
     }
   }
 
+  // The output rows from n on (`left` of them in the chunk) for the rows of a group: how many
+  // it did. One or two int8 rows against 32-value blocks take four output rows at once: their
+  // independent accumulators hide the multiply-adds' latency a lone row would wait on.
   template <bool kInt8, int T>
-  void rows_in_fours(int64_t first, const int* group, int count, int64_t n) {
+  int rows_in_fours(int64_t first, const int* group, int count, int64_t n, int64_t left) {
+    if constexpr (kInt8 && kBlock[T] == 32) {
+      if (count == 1 && left >= 4) {
+        rows_of<kInt8, T, 1, 4>(first, group, n);
+        return 4;
+      }
+      if (count == 2 && left >= 2) {
+        rows_of<kInt8, T, 2, 2>(first, group, n);
+        return 2;
+      }
+    }
     for (int r = 0; r < count; r += 4) {
       switch (std::min(4, count - r)) {
         case 1: rows_of<kInt8, T, 1>(first, group + r, n); break;
@@ -359,19 +381,20 @@ struct Work {
         default: rows_of<kInt8, T, 4>(first, group + r, n); break;
       }
     }
+    return 1;
   }
 
   template <bool kInt8>
-  void simd_row(int64_t first, const int* group, int count, int64_t n) {
+  int simd_row(int64_t first, const int* group, int count, int64_t n, int64_t left) {
     switch (type) {
-      case Q8_0: return rows_in_fours<kInt8, Q8_0>(first, group, count, n);
-      case Q4_0: return rows_in_fours<kInt8, Q4_0>(first, group, count, n);
-      case Q4_1: return rows_in_fours<kInt8, Q4_1>(first, group, count, n);
-      case Q5_0: return rows_in_fours<kInt8, Q5_0>(first, group, count, n);
-      case Q5_1: return rows_in_fours<kInt8, Q5_1>(first, group, count, n);
-      case Q4_K: return rows_in_fours<kInt8, Q4_K>(first, group, count, n);
-      case Q5_K: return rows_in_fours<kInt8, Q5_K>(first, group, count, n);
-      default: return rows_in_fours<kInt8, Q6_K>(first, group, count, n);
+      case Q8_0: return rows_in_fours<kInt8, Q8_0>(first, group, count, n, left);
+      case Q4_0: return rows_in_fours<kInt8, Q4_0>(first, group, count, n, left);
+      case Q4_1: return rows_in_fours<kInt8, Q4_1>(first, group, count, n, left);
+      case Q5_0: return rows_in_fours<kInt8, Q5_0>(first, group, count, n, left);
+      case Q5_1: return rows_in_fours<kInt8, Q5_1>(first, group, count, n, left);
+      case Q4_K: return rows_in_fours<kInt8, Q4_K>(first, group, count, n, left);
+      case Q5_K: return rows_in_fours<kInt8, Q5_K>(first, group, count, n, left);
+      default: return rows_in_fours<kInt8, Q6_K>(first, group, count, n, left);
     }
   }
 #endif
