@@ -6,7 +6,9 @@ and rows that int8 holds exactly. Fresh processes check the portable path (built
 as on a CPU without it) and the fallback to XLA's paths when the kernel cannot build or is off.
 """
 
+import json
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
@@ -97,6 +99,19 @@ class NativeKernelTest(parameterized.TestCase):
         for r in range(len(ids)):
           alone = _call(x[r:r + 1], ids[r:r + 1], type_name, fields, int8)
           np.testing.assert_array_equal(alone[0], together[r], err_msg=f"{type_name} {int8}")
+
+  def test_one_or_two_rows_equal_the_same_rows_among_many(self):
+    # One or two int8 rows against 32-value blocks take four or two output rows at once (their
+    # own compiled copies); 38 output rows leave a tail of 6 that goes one at a time.
+    x = np.random.default_rng(7).standard_normal((9, 64)).astype(np.float32)
+    ids = np.zeros(len(x))
+    for type_name in ("Q8_0", "Q4_1"):
+      _, fields = _tensor(type_name, (1, 38, 64), seed=6, max_scale=0.01)
+      together = _call(x, ids, type_name, fields, True)
+      for r in range(len(x) - 1):
+        for rows in (1, 2):
+          few = _call(x[r:r + rows], ids[r:r + rows], type_name, fields, True)
+          np.testing.assert_array_equal(few, together[r:r + rows], err_msg=f"{type_name} {r}")
 
   def test_more_rows_than_one_call_takes_are_split_exactly(self):
     values, fields = _tensor("Q8_0", (2, 8, 64), seed=12)
@@ -210,6 +225,33 @@ class NativeKernelTest(parameterized.TestCase):
     _, fields = _tensor("Q8_0", (2, 8, 64), seed=11)
     with self.assertRaisesRegex(Exception, "matrix id out of range"):
       _call(np.ones((1, 64)), np.array([2]), "Q8_0", fields)
+
+
+class BenchKernelTest(absltest.TestCase):
+
+  def test_prints_every_matrix_row_count_and_row_kind_in_one_json_line(self):
+    run = subprocess.run(
+        [sys.executable, "-m", "tools.bench_kernel", "--matrices=Q8_0:64x64,Q4_K:32x256",
+         "--rows=1,3", "--calls=2", "--repeats=1"],
+        cwd=pathlib.Path(__file__).resolve().parents[1], capture_output=True, text=True,
+        timeout=600)
+    self.assertEqual(run.returncode, 0, run.stderr[-3000:])
+    calls = json.loads(run.stdout.strip().splitlines()[-1])["calls"]
+    self.assertEqual(set(calls), {"Q8_0:64x64_rows1", "Q8_0:64x64_rows3", "Q4_K:32x256_rows1",
+                                  "Q4_K:32x256_rows3"})
+    for timings in calls.values():
+      self.assertEqual(set(timings), {f"{rows}_rows_{unit}" for rows in ("int8", "float32")
+                                      for unit in ("us", "ns_per_32_weights_per_row",
+                                                   "weight_gb_s")})
+      self.assertTrue(all(value > 0 for value in timings.values()), timings)
+
+  def test_a_width_that_is_not_whole_blocks_is_a_usage_error(self):
+    run = subprocess.run(
+        [sys.executable, "-m", "tools.bench_kernel", "--matrices=Q4_K:32x64"],
+        cwd=pathlib.Path(__file__).resolve().parents[1], capture_output=True, text=True,
+        timeout=300)
+    self.assertNotEqual(run.returncode, 0)
+    self.assertIn("not a multiple of Q4_K's 256-value blocks", run.stderr)
 
 
 # A fresh process: the portable path (built without AVX2) against gguf-py's values, float32
