@@ -44,6 +44,7 @@ def _tensor(type_name, shape, seed, max_scale=None):
   return values, [jnp.asarray(fields[n]) for n in quant_blocks.field_specs(type_name, shape)]
 
 
+_REPO = pathlib.Path(__file__).resolve().parents[1]   # where `python -m tools...` runs
 _matvec = jax.jit(native.quant_matvec, static_argnums=(2, 4))
 
 
@@ -233,7 +234,7 @@ class BenchKernelTest(absltest.TestCase):
     run = subprocess.run(
         [sys.executable, "-m", "tools.bench_kernel", "--matrices=Q8_0:64x64,Q4_K:32x256",
          "--rows=1,3", "--calls=2", "--repeats=1"],
-        cwd=pathlib.Path(__file__).resolve().parents[1], capture_output=True, text=True,
+        cwd=_REPO, capture_output=True, text=True,
         timeout=600)
     self.assertEqual(run.returncode, 0, run.stderr[-3000:])
     calls = json.loads(run.stdout.strip().splitlines()[-1])["calls"]
@@ -248,7 +249,7 @@ class BenchKernelTest(absltest.TestCase):
   def test_a_width_that_is_not_whole_blocks_is_a_usage_error(self):
     run = subprocess.run(
         [sys.executable, "-m", "tools.bench_kernel", "--matrices=Q4_K:32x64"],
-        cwd=pathlib.Path(__file__).resolve().parents[1], capture_output=True, text=True,
+        cwd=_REPO, capture_output=True, text=True,
         timeout=300)
     self.assertNotEqual(run.returncode, 0)
     self.assertIn("not a multiple of Q4_K's 256-value blocks", run.stderr)

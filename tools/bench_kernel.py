@@ -1,7 +1,8 @@
 """What one call of the native CPU kernel costs, per weight type, matrix shape and row count;
 one JSON line.
 
-`kernels.native.quant_matvec` over random valid blocks of each --matrices entry, against --rows
+`quantized.native_contract` (the call a decode step's projection makes on XLA:CPU) over a
+`QuantizedTensor` of random valid blocks for each --matrices entry, against --rows
 rows of x, with int8 rows (llama.cpp's arithmetic, the default on a CPU) and float32 rows. A
 decode step makes one call per projection inside one XLA program, so each variant is --calls
 calls in a row inside one jitted loop (each call's x depends on the last result), timed
@@ -26,6 +27,7 @@ from absl import app, flags
 
 from mtpjax.gguf import quant_blocks
 from mtpjax.kernels import native
+from mtpjax.models.quantized import QuantizedTensor, native_contract
 from mtpjax.testing.random_blocks import random_valid_blocks
 # bench_moe's timing (the variants alternated in one process, the best of --repeats each) and
 # its --repeats flag (absl flags are global: read, not redefined).
@@ -60,27 +62,25 @@ def main(argv):
     raise app.UsageError("the native CPU kernel is not available here (see the log)")
   rng = np.random.default_rng(_SEED.value)
 
-  def calls_in_a_row(x, ids, type_name, fields, int8):
+  def calls_in_a_row(x, type_name, fields, int8):
     def one(_, x):
-      return x + 1e-30 * native.quant_matvec(x, ids, type_name, fields, int8)[:, :1]
+      return x + 1e-30 * native_contract(x, None, type_name, fields, int8)[:, :1]
     return jax.lax.fori_loop(0, _CALLS.value, one, x)
 
-  loop = jax.jit(calls_in_a_row, static_argnums=(2, 4))
+  loop = jax.jit(calls_in_a_row, static_argnums=(1, 3))
   results = {}
   for spec in _MATRICES.value:
     type_name, out, width = _matrix(spec)
-    shape = (1, out, width)
-    raw = random_valid_blocks(rng, type_name, shape, max_scale=1e-3)
-    unpacked = quant_blocks.unpack(type_name, raw, shape)
-    fields = [jnp.asarray(unpacked[n]) for n in quant_blocks.field_specs(type_name, shape)]
-    weight_bytes = sum(f.nbytes for f in fields)
+    tensor = QuantizedTensor.from_raw(
+        type_name, random_valid_blocks(rng, type_name, (out, width), max_scale=1e-3),
+        (out, width))
+    fields, weight_bytes = tensor.fields(), tensor.device_bytes()
     for rows in (int(r) for r in _ROWS.value):
       x = jnp.asarray(rng.standard_normal((rows, width)).astype(np.float32))
-      ids = jnp.zeros(rows, jnp.int32)
-      fns = {mode: (lambda x, ids, f, int8=int8: loop(x, ids, type_name, f, int8))
+      fns = {mode: (lambda x, f, int8=int8: loop(x, type_name, f, int8))
              for mode, int8 in (("int8_rows", True), ("float32_rows", False))}
       best = {mode: ms / _CALLS.value
-              for mode, ms in _best_ms(fns, {mode: (x, ids, fields) for mode in fns}).items()}
+              for mode, ms in _best_ms(fns, {mode: (x, fields) for mode in fns}).items()}
       blocks = out * width / 32
       results[f"{spec}_rows{rows}"] = {
           f"{mode}_{unit}": value for mode, ms in best.items() for unit, value in (

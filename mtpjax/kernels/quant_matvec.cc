@@ -359,8 +359,8 @@ struct Work {
   }
 
   // The output rows from n on (`left` of them in the chunk) for the rows of a group: how many
-  // it did. One or two int8 rows against 32-value blocks take four output rows at once: their
-  // independent accumulators hide the multiply-adds' latency a lone row would wait on.
+  // it did. One int8 row against 32-value blocks takes four output rows at once, two rows take
+  // two: their independent accumulators hide the multiply-adds' latency a lone row waits on.
   template <bool kInt8, int T>
   int rows_in_fours(int64_t first, const int* group, int count, int64_t n, int64_t left) {
     if constexpr (kInt8 && kBlock[T] == 32) {
