@@ -1,9 +1,9 @@
-"""tools/perfetto.py (trace_decode's reading of a trace): per-step busy time of each trace line,
-summed by hand."""
+"""tools/perfetto.py (trace_decode's reading of a trace): per-step busy time of each trace line
+and each XLA:CPU line's time by kind of operation, summed by hand."""
 
 from absl.testing import absltest
 
-from tools.perfetto import busy_per_line
+from tools.perfetto import busy_per_line, kinds_per_line
 
 
 class BusyPerLineTest(absltest.TestCase):
@@ -25,6 +25,33 @@ class BusyPerLineTest(absltest.TestCase):
     self.assertEqual(lines["/host:CPU | 3"], {"us_per_step": 100.0, "top": [["step", 100.0]]})
     self.assertEqual(lines["/device:GPU:0 | Stream #14"],
                      {"us_per_step": 33.0, "top": [["head_gemv", 32.0]]})
+
+
+class KindsPerLineTest(absltest.TestCase):
+
+  def test_self_time_per_kind_on_the_executor_lines(self):
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 1, "tid": 4, "name": "thread_name", "args": {"name": "tf_XLAEigen/9"}},
+        {"ph": "M", "pid": 1, "tid": 5, "name": "thread_name", "args": {"name": "python"}},
+        # the executor's wrapper spans everything below: left out
+        {"ph": "X", "pid": 1, "tid": 4, "name": "ThunkExecutor::Execute", "ts": 0, "dur": 100},
+        {"ph": "X", "pid": 1, "tid": 4, "name": "ffi_call.3", "ts": 0, "dur": 10},
+        {"ph": "X", "pid": 1, "tid": 4, "name": "end: ffi_call.3", "ts": 10, "dur": 1},
+        # a loop of 40 us whose body holds two operations (8 + 6 us): its own time is 26
+        {"ph": "X", "pid": 1, "tid": 4, "name": "while.7", "ts": 20, "dur": 40},
+        {"ph": "X", "pid": 1, "tid": 4, "name": "ffi_call.12", "ts": 22, "dur": 8},
+        {"ph": "X", "pid": 1, "tid": 4, "name": "copy_bitcast_fusion.2", "ts": 40, "dur": 6},
+        {"ph": "X", "pid": 1, "tid": 4, "name": "copy_bitcast_fusion", "ts": 70, "dur": 4},
+        {"ph": "X", "pid": 1, "tid": 5, "name": "step", "ts": 0, "dur": 500},   # not XLA's
+    ]
+    kinds = kinds_per_line(events, steps=2)
+    self.assertEqual(list(kinds), ["/host:CPU | tf_XLAEigen/9"])
+    # per step: ffi_call (10 + 8) / 2, while 26 / 2, copy_bitcast_fusion (6 + 4) / 2
+    self.assertEqual(kinds["/host:CPU | tf_XLAEigen/9"],
+                     {"while": [13.0, 0.5], "ffi_call": [9.0, 1.0],
+                      "copy_bitcast_fusion": [5.0, 1.0]})
+    self.assertEqual(list(kinds["/host:CPU | tf_XLAEigen/9"])[0], "while")   # largest first
 
 
 if __name__ == "__main__":
