@@ -48,6 +48,7 @@ def busy_per_line(events: list[dict], steps: int, top: int) -> dict[str, dict]:
 
 # Events an XLA:CPU executor line wraps its operations in (they nest the operations' events).
 _WRAPPERS = ("ThunkExecutor::", "ThreadpoolListener::")
+_INSTANCE = re.compile(r"\.\d+$")   # an HLO name's instance number: `ffi_call.77`
 
 
 def kinds_per_line(events: list[dict], steps: int, prefix: str = "tf_XLA"
@@ -74,7 +75,7 @@ def kinds_per_line(events: list[dict], steps: int, prefix: str = "tf_XLA"
       start, dur = e["ts"], e.get("dur", 0.0)
       while open_events and open_events[-1][0] <= start:
         open_events.pop()
-      kind = re.sub(r"\.\d+$", "", e["name"])
+      kind = _INSTANCE.sub("", e["name"])
       if open_events:
         sums[line][open_events[-1][1]] -= dur     # the parent's time, less this child's
       sums[line][kind] += dur

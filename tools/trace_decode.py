@@ -42,6 +42,7 @@ _WEIGHT_MODES = flags.DEFINE_list("weight_modes", ["quantized", "dense"],
                                   "mtpjax.load(weights=...) modes, one trace each")
 _TOP = flags.DEFINE_integer("top", 12, "largest events reported per trace line")
 _TRACE_DIR = flags.DEFINE_string("trace_dir", None, "keep the traces here (default: dropped)")
+_PROMPT_TOKENS = 8   # each traced request's (random) prompt
 
 
 def _trace(engine, requests: list[Request], directory: str) -> tuple[float, list[dict]]:
@@ -81,12 +82,13 @@ def main(argv):
       modes[mode] = {}
       for slots in map(int, _SLOTS.value):
         rng = np.random.default_rng(0)
-        requests = [Request(prompt=rng.integers(0, model.config.vocab_size, 8).astype(np.int32),
+        requests = [Request(prompt=rng.integers(0, model.config.vocab_size,
+                                                _PROMPT_TOKENS).astype(np.int32),
                             max_new_tokens=_NEW_TOKENS.value,
                             sampler=SamplerParams(0.0, 0, 1.0, seed=slot))
                     for slot in range(slots)]
-        engine = model.engine(native_mtp=False, slots=slots, max_len=8 + steps + 3,
-                              prefill_buckets=(pow2_bucket(8 + 1),))
+        engine = model.engine(native_mtp=False, slots=slots, max_len=_PROMPT_TOKENS + steps + 3,
+                              prefill_buckets=(pow2_bucket(_PROMPT_TOKENS + 1),))
         warm_up(engine)
         SlotScheduler(engine).run(requests)            # untimed: device caches, first runs
         step_ms, events = _trace(engine, requests, str(root / f"{mode}-{slots}"))
