@@ -404,10 +404,14 @@ class SlowStepEngine:
   def detach(self, state, slot):
     return self.engine.detach(state, slot)
 
-  def step(self, state, active, drafting, *, drafts=None, logprobs=False):
+  @property
+  def overlapping(self):
+    return self.engine.overlapping
+
+  def launch(self, state, active, drafting, *, drafts=None, logprobs=False):
     if bool(np.asarray(drafting)[np.asarray(active)].any()) == self.slow_drafting:
       time.sleep(self.delay)
-    return self.engine.step(state, active, drafting, drafts=drafts, logprobs=logprobs)
+    return self.engine.launch(state, active, drafting, drafts=drafts, logprobs=logprobs)
 
   def free(self, state, slot):
     return self.engine.free(state, slot)

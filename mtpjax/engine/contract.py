@@ -133,6 +133,22 @@ class EngineConfig:
     the smallest of these that holds them all (one compile per bucket and slot bucket)."""
     return slot_buckets(self.draft_tokens) if self.drafts else ()
 
+  def windows(self, drafting) -> np.ndarray:
+    """Each slot's draft window from a step's `drafting` (see `DecodeEngine.step`)."""
+    if drafting is None:
+      return np.full(self.slots, self.draft_tokens, np.int32)
+    drafting = np.asarray(drafting)
+    if drafting.dtype == bool:
+      return np.where(drafting, self.draft_tokens, 0).astype(np.int32)
+    return np.clip(drafting, 0, self.draft_tokens).astype(np.int32)
+
+  def window_bucket(self, windows: np.ndarray, active: np.ndarray) -> int:
+    """The window bucket of a step: the smallest that holds every active slot's window (0:
+    no active slot drafts, a plain step)."""
+    live = windows[active] if active.any() else windows
+    deepest = int(live.max()) if live.size else 0
+    return next((k for k in self.window_buckets if k >= deepest), 0) if deepest else 0
+
   @property
   def drafts(self) -> bool:
     """Whether steps verify drafts: native MTP's, the host's, or both (a composite)."""
@@ -282,6 +298,14 @@ class DecodeEngine(Protocol):
   def step(self, state: Any, active: np.ndarray, drafting: np.ndarray | None = None, *,
            drafts: np.ndarray | None = None,
            logprobs: bool = False) -> tuple[Any, np.ndarray, dict]: ...
+
+  # Whether `launch` may start a step before the last one is collected.
+  overlapping: bool
+
+  def launch(self, state: Any, active: np.ndarray, drafting: np.ndarray | None = None, *,
+             drafts: np.ndarray | None = None, logprobs: bool = False) -> tuple[Any, Any]:
+    """`step` without waiting: (state, a pending step whose `collect()` returns what `step`
+    returns beside the state)."""
 
   def catch_up(self, state: Any, active: np.ndarray) -> Any: ...
 

@@ -20,6 +20,7 @@ and before each step every active slot gets the pages for the rows that step may
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Callable, Sequence
@@ -33,6 +34,7 @@ from mtpjax import errors
 from mtpjax.engine import steps
 from mtpjax.engine.contract import COUNT, EngineConfig, counted, slot_buckets
 from mtpjax.engine.page_pool import PageList, PagePool
+from mtpjax.engine.pipeline_hops import LocalHops
 from mtpjax.engine.plan import group_bounds, selection_like
 from mtpjax.engine.prefix_cache import PrefixCache
 from mtpjax.engine.sampling import SamplerParams
@@ -365,7 +367,7 @@ class Engine:
     layout = self.layouts[s]
     k = active.shape[0]
     drafts = drafts if depth else None      # a step that verifies nothing keeps its chain
-    part = _with_drafts(head.first(k), drafts) if layout.output else None
+    part = head.first(k).with_drafts(drafts) if layout.output else None
     if layout.embeddings:
       if layout.output:     # a single stage reads its inputs from the head state it donates
         current = (part.slots.current, part.slots.draft, part.slots.pos)
@@ -400,26 +402,9 @@ class Engine:
       return result
     return jnp.concatenate([result, part.slots.draft.astype(result.dtype)], axis=1)
 
-  def _depth(self, windows: np.ndarray, active: np.ndarray) -> int:
-    """The window bucket of a step: the smallest that holds every active slot's window (0:
-    no active slot drafts, a plain step)."""
-    live = windows[active] if active.any() else windows
-    deepest = int(live.max()) if live.size else 0
-    return next((k for k in self.engine_cfg.window_buckets if k >= deepest), 0) if deepest else 0
-
-  def windows(self, drafting) -> np.ndarray:
-    """Each slot's draft window from a step's `drafting` (see `step`)."""
-    ec = self.engine_cfg
-    if drafting is None:
-      return np.full(ec.slots, ec.draft_tokens, np.int32)
-    drafting = np.asarray(drafting)
-    if drafting.dtype == bool:
-      return np.where(drafting, ec.draft_tokens, 0).astype(np.int32)
-    return np.clip(drafting, 0, ec.draft_tokens).astype(np.int32)
-
   def _draft_fn(self, leaves, head: HeadState, table, verified, active, drafting, drafts):
     part, result = steps.draft_commit(self._model(self.last, leaves),
-                                      _with_drafts(head.first(active.shape[0]), drafts), table,
+                                      head.first(active.shape[0]).with_drafts(drafts), table,
                                       verified, active, drafting)
     return head.merge(part), self._with_chain(result, part)
 
@@ -449,11 +434,27 @@ class Engine:
                                            state.pages.table[lo:lo + k], live[:k]))
     return state
 
+  @property
+  def overlapping(self) -> bool:
+    """Whether `launch` may start a step before the last one's tokens are read: each step
+    decodes one position a slot (no drafts), and one process runs every stage."""
+    return not self.engine_cfg.drafts and isinstance(self.hops, LocalHops)
+
   def step(self, state: EngineState, active: np.ndarray, drafting: np.ndarray | None = None,
            *, drafts: np.ndarray | None = None, logprobs: bool = False
            ) -> tuple[EngineState, np.ndarray, dict]:
     """One step for every group: the state, ResultTokens [slots, result_width] and an info
-    dict (timings in us, and logprobs; see `DecodeEngine`).
+    dict (timings in us, and logprobs; see `DecodeEngine`): `launch`, then its `collect`."""
+    state, pending = self.launch(state, active, drafting, drafts=drafts, logprobs=logprobs)
+    return (state, *pending.collect())
+
+  def launch(self, state: EngineState, active: np.ndarray, drafting: np.ndarray | None = None,
+             *, drafts: np.ndarray | None = None, logprobs: bool = False
+             ) -> tuple[EngineState, "PendingStep"]:
+    """Start one step for every group: (state, its `PendingStep`). An `overlapping` engine may
+    launch the next step before collecting this one: positions advance here and a step reads
+    a copy of the page table, so freeing or admitting a slot meanwhile changes nothing it
+    computes. Otherwise collect each step before launching the next.
 
     With drafts (native MTP or `host_drafts`), `drafting` [B] gives each slot's draft window
     this step: ints, or bools (True: `draft_tokens`); None: every slot at `draft_tokens`. The
@@ -474,10 +475,10 @@ class Engine:
       raise ValueError("an engine with host_drafts takes drafts at every step, and only it")
     kind, depth = "decode", 0
     if ec.drafts:
-      drafting = self.windows(drafting)
+      drafting = ec.windows(drafting)
       if ec.native_mtp:
         drafting = np.where(state.detached, 0, drafting).astype(np.int32)
-      depth = self._depth(drafting, active)
+      depth = ec.window_bucket(drafting, active)
       kind = self._verify_kind if depth else "decode"
       if not depth and ec.native_mtp and not (active.any() and state.detached[active].all()):
         kind = "plain"
@@ -498,7 +499,7 @@ class Engine:
       act = live[:k]
       draft_mask = drafting[lo:hi][:k] if ec.drafts else None
       group_drafts = None if drafts is None else drafts[lo:hi][:k]
-      table = state.pages.table[lo:lo + k]
+      table = state.pages.table[lo:lo + k].copy()     # jit may alias a host array on a CPU
       out = None
       if self.last > 0:   # stage 0 embeds the last stage's tokens
         slots = None if group.head is None else group.head.slots
@@ -529,14 +530,21 @@ class Engine:
         rows.append(committed)
     if kind == "plain":
       state.mtp_lag = [lag + active[lo:hi] for lag, (lo, hi) in zip(state.mtp_lag, self.bounds)]
-    shared = [self.hops.share(_padded(results[i], hi - lo) if results else None, self.last,
-                              like=like) for i, ((lo, hi), like) in
-              enumerate(zip(self.bounds, self._result_like))]
-    if self._wants(logprobs):
-      info["logprobs"] = self._shared_logprobs(rows, self.bounds, tokens)
-    result = np.concatenate([np.asarray(r) for r in shared])
-    state.positions += np.where(active, result[:, COUNT], 0)
-    return state, result, info
+    one_row = kind in ("decode", "plain")      # every active slot commits exactly one token
+    if one_row:
+      state.positions += active
+
+    def collect() -> tuple[np.ndarray, dict]:
+      shared = [self.hops.share(_padded(results[i], hi - lo) if results else None, self.last,
+                                like=like) for i, ((lo, hi), like) in
+                enumerate(zip(self.bounds, self._result_like))]
+      if self._wants(logprobs):
+        info["logprobs"] = self._shared_logprobs(rows, self.bounds, tokens)
+      result = np.concatenate([np.asarray(r) for r in shared])
+      if not one_row:
+        state.positions += np.where(active, result[:, COUNT], 0)
+      return result, info
+    return state, PendingStep(collect)
 
   def _wants(self, logprobs: bool) -> bool:
     """Whether a prefill or step returns logprobs: asked for, of an engine that computes them.
@@ -580,9 +588,11 @@ class Engine:
     return head, result, logprobs
 
 
-def _with_drafts(head: HeadState, drafts) -> HeadState:
-  """`head` verifying the host's `drafts` [k, K] instead of its own chain (None: its own)."""
-  return head if drafts is None else head.replace(slots=head.slots.replace(draft=drafts))
+@dataclasses.dataclass(frozen=True)
+class PendingStep:
+  """A launched step: `collect()` waits for its tokens and returns (ResultTokens, info) as
+  `Engine.step` does."""
+  collect: Callable[[], tuple[np.ndarray, dict]]
 
 
 def _padded(result, slots: int) -> np.ndarray:

@@ -95,6 +95,7 @@ class _Live:
   verified_at: list = dataclasses.field(default_factory=list)
   accepted_at: list = dataclasses.field(default_factory=list)
   detached: bool = False          # it never drafts again (`Engine.detach`)
+  launched: int = 0               # steps launched over it and not yet landed
 
   @property
   def drafting(self) -> bool:
@@ -116,6 +117,17 @@ def _token_logprobs(request: Request, rows, slot: int,
   chosen, top_ids, top_lps = (a[slot].tolist() for a in rows)
   return [TokenLogprob(token, chosen[r], tuple(zip(top_ids[r], top_lps[r])))
           for r, token in enumerate(tokens)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launched:
+  """A step in flight: the engine's pending step, the live request of each slot it computes
+  (None: not computed), their draft windows, whether any drafted and when it started."""
+  pending: object
+  slots: list
+  windows: list[int]
+  drafted: bool
+  started: float
 
 
 @dataclasses.dataclass
@@ -167,6 +179,7 @@ class SlotScheduler:
     self.waiting: collections.deque[tuple[Request, Callable[[Result], None]]] = (
         collections.deque())
     self.occupancy_samples: list[float] = []
+    self.in_flight: _Launched | None = None   # a launched step not yet landed (overlapping)
 
   @property
   def native_mtp(self) -> bool:
@@ -225,7 +238,7 @@ class SlotScheduler:
 
   @property
   def busy(self) -> bool:
-    return (bool(self.waiting) or self.prefilling is not None
+    return (bool(self.waiting) or self.prefilling is not None or self.in_flight is not None
             or any(s is not None for s in self.slots))
 
   def _admit(self) -> None:
@@ -342,52 +355,82 @@ class SlotScheduler:
                      cached_tokens=live.cached_tokens))
 
   def step(self) -> None:
-    """Admit waiting requests, then advance every live slot by one engine step."""
+    """Admit waiting requests, then advance every live slot by one engine step. On an engine
+    that overlaps steps (`DecodeEngine.overlapping`) the step is launched before the last
+    one's tokens are handed out, so the host's work on them runs while the device computes:
+    a request that stopped in the last step (a stop id, a cancel) costs the launched step one
+    wasted row, whose tokens are dropped; one at its token budget or context end is left
+    out."""
     self._admit()
+    launched = self._launch()
+    if self.in_flight is not None:
+      self._land(self.in_flight)
+    self.in_flight = launched
+    if launched is not None and not self.engine.overlapping:
+      self.in_flight = None
+      self._land(launched)
+
+  def _launch(self) -> "_Launched | None":
+    """Start a step over every live slot with tokens left to make (None: no such slot)."""
     # The host's work between steps is plain Python on lists: on a fast accelerator it is part
     # of every step's wall time, and numpy's per-call overhead on [B]-sized arrays dominates it.
-    occupied = [s is not None for s in self.slots]
+    max_len = self.engine.engine_cfg.max_len
+    due = [s if s is not None and s.tokens_left(max_len) > s.launched else None
+           for s in self.slots]
+    occupied = [s is not None for s in due]
     if not any(occupied):
-      return
+      return None
     self._detach_outlasted()
     self.occupancy_samples.append(sum(occupied) / len(occupied))
     active = np.array(occupied)
     highest = len(occupied) - occupied[::-1].index(True)
     self.bucket = next(b for b in self._buckets if b >= highest)
     # One drafting slot makes this a drafting step, and then every live slot's draft is free.
-    drafted = self.native_mtp and any(s is not None and self._drafts(s) for s in self.slots)
+    drafted = self.native_mtp and any(s is not None and self._drafts(s) for s in due)
     started = time.perf_counter()
     # Logprobs cost a step something only while a live request asks for them.
-    wants = any(s is not None and s.request.logprobs for s in self.slots)
+    wants = any(s is not None and s.request.logprobs for s in due)
     # Each live slot's window, capped by the cost policy; without native MTP `drafted` is
     # False and the engine ignores the windows.
     cap = self.window_cap
     windows = [min(s.window, cap) if s is not None and drafted and not s.detached else 0
-               for s in self.slots]
+               for s in due]
     drafts = None
     if self.drafter is not None:
       drafts, windows = self._host_drafts(windows)
       drafted = any(windows)
     self.window_in_use = sum(windows) / sum(occupied)
-    self.state, result, info = self.engine.step(
+    self.state, pending = self.engine.launch(
         self.state, active, np.array(windows, np.int32), drafts=drafts, logprobs=wants)
-    for index, (live, row) in enumerate(zip(self.slots, result.tolist())):
+    for live in due:
+      if live is not None:
+        live.launched += 1
+    return _Launched(pending, due, windows, drafted, started)
+
+  def _land(self, step: "_Launched") -> None:
+    """Hand out a launched step's tokens to the slots it computed whose requests still run."""
+    result, info = step.pending.collect()
+    for index, (live, row) in enumerate(zip(step.slots, result.tolist())):
       if live is None:
         continue
+      live.launched -= 1
+      if self.slots[index] is not live:
+        continue            # it stopped in an earlier step: this row is past its end
       count = row[COUNT]
       c = live.counts
       c["target_passes"] += 1
       c["committed_tokens"] += count
       tokens = committed_tokens(row)
       if self.speculating:
-        self._account_draft(live, windows[index], row[ACCEPTED], info)
+        self._account_draft(live, step.windows[index], row[ACCEPTED], info)
       if live.ngram is not None:
         self._host_verified(live, row, tokens)
       self._emit(index, tokens, _token_logprobs(live.request, info.get("logprobs"), index,
                                                 tokens))
     if self.speculating:   # the step's wall time, with the host's per-step work
+      drafted = step.drafted
       # Only native MTP catches up after plain steps (an n-gram proposer has no cache).
-      self.cost.observe_step(drafted, time.perf_counter() - started,
+      self.cost.observe_step(drafted, time.perf_counter() - step.started,
                              caught_up_rows=self._plain_steps if drafted and self.native_mtp
                              else 0)
       self._plain_steps = 0 if drafted else self._plain_steps + 1

@@ -93,6 +93,10 @@ class HeadState:
   def merge(self, part: "HeadState") -> "HeadState":
     return part.replace(slots=self.slots.merge(part.slots))
 
+  def with_drafts(self, drafts) -> "HeadState":
+    """Verifying the host's `drafts` [k, K] instead of its own chain (None: its own)."""
+    return self if drafts is None else self.replace(slots=self.slots.replace(draft=drafts))
+
 
 @dataclasses.dataclass
 class Group:
