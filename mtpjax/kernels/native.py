@@ -1,7 +1,9 @@
 """Native CPU kernels, compiled once per machine and registered with XLA as FFI targets.
 
 `quant_matvec.cc` (with `quant_blocks.h`) contracts a few rows against GGUF-quantized matrices
-reading each block's integers once (see its header). It is built on first use with the C++
+reading each block's integers once, and `paged_attention.cc` attends a step's few query rows
+over a paged GQA cache reading each row once (see their headers). They are built on first use
+into one library with the C++
 compiler (`$CXX`, else `g++`) for this CPU (`-march=native`, or `$MTPJAX_NATIVE_MARCH`) against
 the FFI headers jaxlib ships, into `$MTPJAX_CACHE_DIR/native` (default `~/.cache/mtpjax/native`),
 keyed by the sources, the flags, jaxlib's version and the CPU, so later processes only load it.
@@ -26,9 +28,11 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-_SOURCE = pathlib.Path(__file__).with_name("quant_matvec.cc")
-_SOURCES = (_SOURCE, _SOURCE.with_name("quant_blocks.h"))   # what the library is built from
+_HERE = pathlib.Path(__file__).parent
+_UNITS = (_HERE / "quant_matvec.cc", _HERE / "paged_attention.cc")   # compiled into one library
+_SOURCES = (*_UNITS, _HERE / "quant_blocks.h")      # what the library is built from
 _TARGET = "mtpjax_quant_matvec"
+_ATTENTION_TARGET = "mtpjax_paged_attention"
 _FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 # GGUF type names in the kernel's TypeCode order.
 TYPE_NAMES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -77,11 +81,11 @@ def _compile(out: pathlib.Path) -> None:
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
   os.close(fd)
   try:
-    subprocess.run([compiler, *_flags(), f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp],
-                   check=True, capture_output=True, text=True)
+    subprocess.run([compiler, *_flags(), f"-I{jax.ffi.include_dir()}", *map(str, _UNITS),
+                    "-o", tmp], check=True, capture_output=True, text=True)
     os.replace(tmp, out)
   except subprocess.CalledProcessError as e:
-    raise RuntimeError(f"{compiler} failed on {_SOURCE}:\n{e.stderr[-2000:]}") from e
+    raise RuntimeError(f"{compiler} failed on {_HERE}:\n{e.stderr[-2000:]}") from e
   finally:
     if os.path.exists(tmp):
       os.unlink(tmp)
@@ -106,6 +110,8 @@ def _load() -> bool:
     library = ctypes.CDLL(str(path))
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.MtpjaxQuantMatvec),
                                 platform="cpu")
+    jax.ffi.register_ffi_target(_ATTENTION_TARGET,
+                                jax.ffi.pycapsule(library.MtpjaxPagedAttention), platform="cpu")
   except (OSError, RuntimeError, AttributeError) as e:
     logging.warning("native CPU kernels unavailable, using XLA's paths: %s", e)
     return False
@@ -140,3 +146,18 @@ def quant_matvec(x: jax.Array, ids: jax.Array, type_name: str, fields: list[jax.
   return call(x.astype(jnp.float32), ids.astype(jnp.int32), *fields,
               type_code=np.int32(TYPE_NAMES.index(type_name)),
               int8_x=np.int32(bool(int8_activations)))
+
+
+def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array,
+                    positions: jax.Array) -> jax.Array:
+  """Query rows `q [b, T, Hkv, g, hd]` (scaled) attending to rows j <= `positions [b, T]` of
+  their slot in the pools `k [P, Hkv, R, hd]`, `v [P, Hkv, vd, R]` (float32, float16, or
+  bfloat16 stored as uint16 bits) through the page table `[b, max_pages]`: `[b, T, Hkv, g, vd]`
+  float32. Only where `available()`."""
+  if not available():
+    raise RuntimeError("native CPU kernels are not available (see the log)")
+  b, t, hkv, g, _ = q.shape
+  out = jax.ShapeDtypeStruct((b, t, hkv, g, v_pool.shape[2]), jnp.float32)
+  call = jax.ffi.ffi_call(_ATTENTION_TARGET, out, vmap_method="sequential")
+  return call(q.astype(jnp.float32), k_pool, v_pool, table.astype(jnp.int32),
+              positions.astype(jnp.int32))

@@ -1,7 +1,8 @@
 // GGUF quantized blocks on the CPU: type codes, field access, and each type's block
 // unpacked, either to float32 values equal to gguf-py's `dequantize` (the portable path) or,
 // with AVX2, to 32-value runs of small integers and their scales (what quant_matvec.cc
-// multiplies into rows). Included by quant_matvec.cc only (one translation unit).
+// multiplies into rows). Included by quant_matvec.cc, and by paged_attention.cc for
+// `half_to_float` (every function here is inline).
 
 #pragma once
 

@@ -32,7 +32,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from mtpjax.models import blockwise
+from mtpjax.kernels import native
+from mtpjax.models import blockwise, quantized
 
 
 class AttentionMetadata(NamedTuple):
@@ -204,6 +205,14 @@ def _causal(first, n: int, positions: jax.Array) -> jax.Array:
   return (first + jnp.arange(n))[None, None, None, None, :] <= positions[:, None, None, :, None]
 
 
+def native_decode_attention() -> bool:
+  """Whether paged GQA attention takes the native kernel: the rows of a decode or verify step
+  (`quantized.decode_rows`, so a row attends alike in both) on XLA:CPU where it built. Prefill
+  chunks keep the blockwise einsums, whose GEMMs suit many rows."""
+  return (quantized.tracing_decode_rows() and jax.default_backend() == "cpu"
+          and native.available())
+
+
 def _paged_attention(cache, q, k, v, meta: AttentionMetadata):
   """`attention` over page pools: rows are scattered through the table, and each block of
   rows is its pages gathered, so a step reads the pages up to the highest position."""
@@ -215,6 +224,9 @@ def _paged_attention(cache, q, k, v, meta: AttentionMetadata):
   b, t, h, hd = q.shape
   hkv, vd, dtype = k_pool.shape[1], v_pool.shape[2], q.dtype
   q = q.reshape(b, t, hkv, h // hkv, hd).astype(jnp.float32) / jnp.sqrt(jnp.float32(hd))
+  if native_decode_attention():
+    out = native.paged_attention(q, k_pool, v_pool, table, positions)
+    return out.reshape(b, t, h, vd).astype(dtype), (k_pool, v_pool)
   gather = lambda pool, first, n: _gather_pages(pool, table, first, n, page_rows).astype(
       jnp.float32)
 

@@ -262,6 +262,11 @@ def decode_rows():
     _DECODE_ROWS.reset(token)
 
 
+def tracing_decode_rows() -> bool:
+  """Whether a decode or verify step is being traced (`decode_rows`)."""
+  return _DECODE_ROWS.get()
+
+
 def takes_native(type_name: str, rows: int, int8_activations: bool = False) -> bool:
   """Whether `rows` rows a matrix of `type_name` take the native kernel: on XLA:CPU where the
   kernel built (decided at trace time), up to NATIVE_ROWS rows; any number in a decode or
@@ -272,7 +277,7 @@ def takes_native(type_name: str, rows: int, int8_activations: bool = False) -> b
   32-value blocks and small matrices."""
   if jax.default_backend() != "cpu" or rows <= 0 or type_name not in native.TYPE_NAMES:
     return False
-  if _DECODE_ROWS.get() or (int8_activations and native.integer_rows(type_name)):
+  if tracing_decode_rows() or (int8_activations and native.integer_rows(type_name)):
     return native.available()
   return rows <= NATIVE_ROWS and native.available()
 

@@ -1,0 +1,251 @@
+// Decode and verify rows attending over a paged GQA cache on the CPU.
+//
+// XLA:CPU runs a step's few query rows against the cache as two batched dots a layer through
+// XNNPACK (~20 us a call however small), after converting the block's float16 keys and values
+// to float32 in a copy of their own, and at long contexts the blockwise passes read the cache
+// several times. This kernel reads each key and value row once, straight from the pool (float16,
+// bfloat16 bits or float32), for the query heads that share it.
+//
+// Call (see mtpjax/kernels/native.py): q f32 [b, T, Hkv, g, hd] (scaled), the pools k
+// [P, Hkv, R, hd] and v [P, Hkv, vd, R] (one dtype: F16, U16 = bfloat16 bits, or F32), the page
+// table s32 [b, max_pages] and positions s32 [b, T]; result f32 [b, T, Hkv, g, vd]. Query row
+// (s, t) attends to rows j <= positions[s, t] of slot s (row j on page table[s, j / R], row
+// j % R), with a two-pass softmax in float32: the scores, their max, exp(score - max) and
+// their sum, then the values weighted by the exps over the sum. A row's result depends on
+// nothing but its query and the rows it reads, so it is the same in a decode step (T = 1)
+// and in a verify step (T = k + 1). The (slot, row, kv head) tasks are shared with XLA's
+// intra-op threads from one counter, as quant_matvec.cc shares its chunks.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "quant_blocks.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Below this many cache rows read in all, a call runs on the calling thread alone.
+constexpr int64_t kParallelRows = 1024;
+
+enum class Stored { kF32, kF16, kBf16 };
+
+inline float stored_value(const void* base, int64_t i, Stored kind) {
+  switch (kind) {
+    case Stored::kF32: return static_cast<const float*>(base)[i];
+    case Stored::kF16: return mtpjax_blocks::half_to_float(static_cast<const uint16_t*>(base)[i]);
+    default: {
+      uint32_t bits = uint32_t(static_cast<const uint16_t*>(base)[i]) << 16;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      return f;
+    }
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// Eight stored values from `i` on, as floats.
+inline __m256 stored8(const void* base, int64_t i, Stored kind) {
+  switch (kind) {
+    case Stored::kF32: return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+    case Stored::kF16:
+      return _mm256_cvtph_ps(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i)));
+    default:
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i))), 16));
+  }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+inline float horizontal(__m256 v) {
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(half, _mm_shuffle_ps(half, half, 1)));
+}
+#endif
+
+// sum_k w[k] x (stored value i + k), k < n: eight lanes at a time where AVX2 is built, then
+// the lanes summed and the tail added in order (the same arithmetic for every call).
+inline float dot(const void* base, int64_t i, const float* w, int64_t n, Stored kind) {
+  int64_t k = 0;
+  float sum = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if (n >= 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (; k + 8 <= n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + k),
+                                                     stored8(base, i + k, kind), acc);
+    sum = horizontal(acc);
+  }
+#endif
+  for (; k < n; ++k) sum += w[k] * stored_value(base, i + k, kind);
+  return sum;
+}
+
+struct Attend {
+  int64_t slots = 0, rows = 0, kv_heads = 0, group = 0, head_dim = 0, value_dim = 0;
+  int64_t pool_pages = 0, page_rows = 0, max_pages = 0;
+  const float* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  Stored kind = Stored::kF32;
+  const int32_t* table = nullptr;
+  const int32_t* positions = nullptr;
+  float* out = nullptr;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  int64_t tasks() const { return slots * rows * kv_heads; }
+
+  int64_t page_of(int64_t slot, int64_t j) const {
+    int64_t page = table[slot * max_pages + j / page_rows];
+    return std::min<int64_t>(std::max<int64_t>(page, 0), pool_pages - 1);
+  }
+
+  // Query rows (slot, t) of kv head h's group, against rows 0 .. positions[slot, t].
+  void run(int64_t task) {
+    int64_t h = task % kv_heads, st = task / kv_heads, slot = st / rows;
+    int64_t seen = std::min<int64_t>(int64_t(positions[st]) + 1, max_pages * page_rows);
+    if (seen < 1) seen = 1;
+    const float* query = q + (st * kv_heads + h) * group * head_dim;
+    std::vector<float> scores(group * seen);
+    for (int64_t j = 0; j < seen; ++j) {
+      int64_t row = ((page_of(slot, j) * kv_heads + h) * page_rows + j % page_rows) * head_dim;
+      for (int64_t g = 0; g < group; ++g) {
+        scores[g * seen + j] = dot(k, row, query + g * head_dim, head_dim, kind);
+      }
+    }
+    std::vector<float> total(group);
+    for (int64_t g = 0; g < group; ++g) {
+      float* s = scores.data() + g * seen;
+      float top = *std::max_element(s, s + seen);
+      float sum = 0.0f;
+      for (int64_t j = 0; j < seen; ++j) {
+        s[j] = std::exp(s[j] - top);
+        sum += s[j];
+      }
+      total[g] = sum;
+    }
+    float* result = out + (st * kv_heads + h) * group * value_dim;
+    weighted_values(slot, h, seen, scores.data(), result);
+    for (int64_t g = 0; g < group; ++g) {
+      for (int64_t d = 0; d < value_dim; ++d) result[g * value_dim + d] /= total[g];
+    }
+  }
+
+  // result[g, d] = sum_j weights[g, j] v[j, d] over rows j < seen, page by page (a page's values
+  // are [vd, R]: each value index's rows are contiguous). With AVX2 each (g, d) keeps eight
+  // lanes over the rows, summed once at the end, so a page of 16 rows costs two
+  // multiply-adds per (g, d) and no horizontal sum.
+  void weighted_values(int64_t slot, int64_t h, int64_t seen, const float* weights,
+                       float* result) {
+    std::vector<float> tail(group * value_dim, 0.0f);
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    std::vector<float> lanes(group * value_dim * 8, 0.0f);
+#endif
+    for (int64_t first = 0; first < seen; first += page_rows) {
+      int64_t page = page_of(slot, first), n = std::min(page_rows, seen - first), r0 = 0;
+      for (int64_t d = 0; d < value_dim; ++d) {
+        int64_t row = ((page * kv_heads + h) * value_dim + d) * page_rows;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* w = weights + g * seen + first;
+          r0 = 0;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+          float* lane = lanes.data() + (g * value_dim + d) * 8;
+          __m256 acc = _mm256_loadu_ps(lane);
+          for (; r0 + 8 <= n; r0 += 8) {
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + r0), stored8(v, row + r0, kind), acc);
+          }
+          _mm256_storeu_ps(lane, acc);
+#endif
+          float sum = 0.0f;
+          for (int64_t r = r0; r < n; ++r) sum += w[r] * stored_value(v, row + r, kind);
+          tail[g * value_dim + d] += sum;
+        }
+      }
+    }
+    for (int64_t i = 0; i < group * value_dim; ++i) {
+      result[i] = tail[i];
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+      result[i] += horizontal(_mm256_loadu_ps(lanes.data() + i * 8));
+#endif
+    }
+  }
+
+  void drain(bool wait) {
+    for (int64_t t; (t = next.fetch_add(1)) < tasks();) {
+      run(t);
+      done.fetch_add(1);
+    }
+    if (wait) {
+      while (done.load() < tasks()) std::this_thread::yield();
+    }
+  }
+};
+
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                          ffi::AnyBuffer v, ffi::Buffer<ffi::S32> table,
+                          ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  auto td = table.dimensions(), pd = positions.dimensions();
+  if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || td.size() != 2 || pd.size() != 2)
+    return ffi::Error::InvalidArgument("paged_attention: wrong ranks");
+  if (k.element_type() != v.element_type())
+    return ffi::Error::InvalidArgument("paged_attention: keys and values differ in dtype");
+  auto work = std::make_shared<Attend>();
+  switch (k.element_type()) {
+    case ffi::DataType::F32: work->kind = Stored::kF32; break;
+    case ffi::DataType::F16: work->kind = Stored::kF16; break;
+    case ffi::DataType::U16: work->kind = Stored::kBf16; break;
+    default: return ffi::Error::InvalidArgument("paged_attention: pools must be f32, f16 or u16");
+  }
+  work->slots = qd[0];
+  work->rows = qd[1];
+  work->kv_heads = qd[2];
+  work->group = qd[3];
+  work->head_dim = qd[4];
+  work->pool_pages = kd[0];
+  work->page_rows = kd[2];
+  work->value_dim = vd[2];
+  work->max_pages = td[1];
+  if (kd[1] != work->kv_heads || kd[3] != work->head_dim || vd[0] != kd[0] ||
+      vd[1] != work->kv_heads || vd[3] != work->page_rows || td[0] != work->slots ||
+      pd[0] != work->slots || pd[1] != work->rows || work->pool_pages < 1)
+    return ffi::Error::InvalidArgument("paged_attention: shapes disagree");
+  work->q = q.typed_data();
+  work->k = k.untyped_data();
+  work->v = v.untyped_data();
+  work->table = table.typed_data();
+  work->positions = positions.typed_data();
+  work->out = out->typed_data();
+  int64_t read = 0;
+  for (int64_t i = 0; i < work->slots * work->rows; ++i) read += positions.typed_data()[i] + 1;
+  read *= work->kv_heads;
+  int64_t helpers = read < kParallelRows
+                        ? 0 : std::min<int64_t>(pool.num_threads(), work->tasks() - 1);
+  for (int64_t i = 0; i < helpers; ++i) {
+    pool.Schedule([work] { work->drain(false); });
+  }
+  work->drain(true);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MtpjaxPagedAttention, PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
