@@ -16,8 +16,9 @@
 directory: the first start compiles everything, the second loads the compiled steps from the
 persistent compilation cache (`warm_start.py`).
 `steps`: decode step time at 128 ... 32K tokens held, blockwise attention vs reading the
-whole cache, the KV pool's bytes and the bytes of the pages the slot holds at each point; with
---llama_bench, llama.cpp's decode step on the same GGUF after contexts of the same lengths
+whole cache (on a CPU with the native kernels, GQA decode steps attend through
+`kernels/paged_attention.cc`, which reads only the rows held, so both read alike there), the
+KV pool's bytes and the bytes of the pages the slot holds at each point; with --llama_bench, llama.cpp's decode step on the same GGUF after contexts of the same lengths
 (`llama-bench -d`), in the same rounds: the peer's own cost of the tokens held.
 `ttft`: time to first token of a 2,000-token prompt cold and with its first 1,900 tokens
 shared with an earlier prompt (prefix cache; one scheduler, whose engine state holds it).
