@@ -30,7 +30,7 @@ import numpy as np
 
 _HERE = pathlib.Path(__file__).parent
 _UNITS = (_HERE / "quant_matvec.cc", _HERE / "paged_attention.cc")   # compiled into one library
-_SOURCES = (*_UNITS, _HERE / "quant_blocks.h")      # what the library is built from
+_SOURCES = (*_UNITS, _HERE / "quant_blocks.h", _HERE / "shared_tasks.h")   # built from
 _TARGET = "mtpjax_quant_matvec"
 _ATTENTION_TARGET = "mtpjax_paged_attention"
 _FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
@@ -119,6 +119,11 @@ def _load() -> bool:
   return True
 
 
+def _require() -> None:
+  if not available():
+    raise RuntimeError("native CPU kernels are not available (see the log)")
+
+
 def integer_rows(type_name: str) -> bool:
   """Whether int8 rows against `type_name` multiply as integers here (the kernel says: its AVX2
   paths, all types but Q2_K and Q3_K): then it takes a prefill's rows too
@@ -135,8 +140,7 @@ def quant_matvec(x: jax.Array, ids: jax.Array, type_name: str, fields: list[jax.
   K-quants) to int8 and a float32 scale, as llama.cpp multiplies (about 3x less arithmetic;
   a result is the exact weights' product with the rounded row); Q2_K / Q3_K, and every type
   where the CPU has no AVX2 (the portable path), keep float32 rows. Only where `available()`."""
-  if not available():
-    raise RuntimeError("native CPU kernels are not available (see the log)")
+  _require()
   if x.shape[0] > MAX_ROWS:   # a row's result does not depend on the others: split exactly
     return jnp.concatenate([
         quant_matvec(x[r:r + MAX_ROWS], ids[r:r + MAX_ROWS], type_name, fields,
@@ -154,8 +158,7 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: j
   their slot in the pools `k [P, Hkv, R, hd]`, `v [P, Hkv, vd, R]` (float32, float16, or
   bfloat16 stored as uint16 bits) through the page table `[b, max_pages]`: `[b, T, Hkv, g, vd]`
   float32. Only where `available()`."""
-  if not available():
-    raise RuntimeError("native CPU kernels are not available (see the log)")
+  _require()
   b, t, hkv, g, _ = q.shape
   out = jax.ShapeDtypeStruct((b, t, hkv, g, v_pool.shape[2]), jnp.float32)
   call = jax.ffi.ffi_call(_ATTENTION_TARGET, out, vmap_method="sequential")

@@ -17,15 +17,14 @@
 // intra-op threads from one counter, as quant_matvec.cc shares its chunks.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "quant_blocks.h"
+#include "shared_tasks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -50,7 +49,10 @@ inline float stored_value(const void* base, int64_t i, Stored kind) {
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(MTPJAX_SIMD) && defined(__F16C__)
+#define MTPJAX_ATTENTION_SIMD 1
+using mtpjax_blocks::horizontal_sum;
+
 // Eight stored values from `i` on, as floats.
 inline __m256 stored8(const void* base, int64_t i, Stored kind) {
   switch (kind) {
@@ -65,26 +67,16 @@ inline __m256 stored8(const void* base, int64_t i, Stored kind) {
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-inline float horizontal(__m256 v) {
-  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(half, _mm_shuffle_ps(half, half, 1)));
-}
-#endif
-
 // sum_k w[k] x (stored value i + k), k < n: eight lanes at a time where AVX2 is built, then
 // the lanes summed and the tail added in order (the same arithmetic for every call).
 inline float dot(const void* base, int64_t i, const float* w, int64_t n, Stored kind) {
   int64_t k = 0;
   float sum = 0.0f;
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  if (n >= 8) {
-    __m256 acc = _mm256_setzero_ps();
-    for (; k + 8 <= n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + k),
-                                                     stored8(base, i + k, kind), acc);
-    sum = horizontal(acc);
-  }
+#ifdef MTPJAX_ATTENTION_SIMD
+  __m256 acc = _mm256_setzero_ps();
+  for (; k + 8 <= n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + k),
+                                                   stored8(base, i + k, kind), acc);
+  sum = horizontal_sum(acc);
 #endif
   for (; k < n; ++k) sum += w[k] * stored_value(base, i + k, kind);
   return sum;
@@ -100,10 +92,9 @@ struct Attend {
   const int32_t* table = nullptr;
   const int32_t* positions = nullptr;
   float* out = nullptr;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+  mtpjax_tasks::Counter tasks;    // the (slot, row, kv head) tasks taken and done
 
-  int64_t tasks() const { return slots * rows * kv_heads; }
+  int64_t total() const { return slots * rows * kv_heads; }
 
   int64_t page_of(int64_t slot, int64_t j) const {
     int64_t page = table[slot * max_pages + j / page_rows];
@@ -111,7 +102,7 @@ struct Attend {
   }
 
   // Query rows (slot, t) of kv head h's group, against rows 0 .. positions[slot, t].
-  void run(int64_t task) {
+  void run_task(int64_t task) {
     int64_t h = task % kv_heads, st = task / kv_heads, slot = st / rows;
     int64_t seen = std::min<int64_t>(int64_t(positions[st]) + 1, max_pages * page_rows);
     if (seen < 1) seen = 1;
@@ -148,7 +139,7 @@ struct Attend {
   void weighted_values(int64_t slot, int64_t h, int64_t seen, const float* weights,
                        float* result) {
     std::vector<float> tail(group * value_dim, 0.0f);
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#ifdef MTPJAX_ATTENTION_SIMD
     std::vector<float> lanes(group * value_dim * 8, 0.0f);
 #endif
     for (int64_t first = 0; first < seen; first += page_rows) {
@@ -158,7 +149,7 @@ struct Attend {
         for (int64_t g = 0; g < group; ++g) {
           const float* w = weights + g * seen + first;
           r0 = 0;
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#ifdef MTPJAX_ATTENTION_SIMD
           float* lane = lanes.data() + (g * value_dim + d) * 8;
           __m256 acc = _mm256_loadu_ps(lane);
           for (; r0 + 8 <= n; r0 += 8) {
@@ -174,19 +165,9 @@ struct Attend {
     }
     for (int64_t i = 0; i < group * value_dim; ++i) {
       result[i] = tail[i];
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-      result[i] += horizontal(_mm256_loadu_ps(lanes.data() + i * 8));
+#ifdef MTPJAX_ATTENTION_SIMD
+      result[i] += horizontal_sum(_mm256_loadu_ps(lanes.data() + i * 8));
 #endif
-    }
-  }
-
-  void drain(bool wait) {
-    for (int64_t t; (t = next.fetch_add(1)) < tasks();) {
-      run(t);
-      done.fetch_add(1);
-    }
-    if (wait) {
-      while (done.load() < tasks()) std::this_thread::yield();
     }
   }
 };
@@ -230,11 +211,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   for (int64_t i = 0; i < work->slots * work->rows; ++i) read += positions.typed_data()[i] + 1;
   read *= work->kv_heads;
   int64_t helpers = read < kParallelRows
-                        ? 0 : std::min<int64_t>(pool.num_threads(), work->tasks() - 1);
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([work] { work->drain(false); });
-  }
-  work->drain(true);
+                        ? 0 : std::min<int64_t>(pool.num_threads(), work->total() - 1);
+  mtpjax_tasks::run_shared(pool, work, work->total(), helpers);
   return ffi::Error::Success();
 }
 

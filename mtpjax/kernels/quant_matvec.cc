@@ -27,10 +27,10 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "quant_blocks.h"
+#include "shared_tasks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -86,10 +86,9 @@ struct Work {
   std::vector<int8_t> xq;
   std::vector<float> xscale, xsum;
   std::vector<int16_t> xbsum;   // [R, K / 16] sums of the int8 values (Q6_K)
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+  mtpjax_tasks::Counter tasks;    // the chunks taken and done (`run_shared`)
 
-  void run_chunk(int64_t chunk) {
+  void run_task(int64_t chunk) {
     int64_t t = chunk / chunks_per_tile;
     int64_t n0 = (chunk % chunks_per_tile) * kChunkRows;
     int64_t n1 = std::min(out_rows, n0 + kChunkRows);
@@ -439,17 +438,6 @@ struct Work {
     chunks_per_tile = (out_rows + kChunkRows - 1) / kChunkRows;
     total_chunks = chunks_per_tile * int64_t(tile_group.size());
   }
-
-  // Takes chunks until none is left; returns when every chunk taken by anyone is finished.
-  void drain(bool wait) {
-    for (int64_t c; (c = next.fetch_add(1)) < total_chunks;) {
-      run_chunk(c);
-      done.fetch_add(1);
-    }
-    if (wait) {
-      while (done.load() < total_chunks) std::this_thread::yield();
-    }
-  }
 };
 
 std::atomic<int> active_calls{0};
@@ -531,10 +519,7 @@ ffi::Error QuantMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   } running;
   int64_t helpers = bytes < kParallelBytes || running.before > 0
                         ? 0 : std::min<int64_t>(pool.num_threads(), work->total_chunks - 1);
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([work] { work->drain(false); });
-  }
-  work->drain(true);
+  mtpjax_tasks::run_shared(pool, work, work->total_chunks, helpers);
   return ffi::Error::Success();
 }
 
