@@ -103,7 +103,8 @@ class GroupedExpertsTest(parameterized.TestCase):
     for w in weights:
       w.int8_activations = True
     routed = jax.jit(grouped_experts.routed)
-    self.assertIn("mtpjax_quant_matvec", routed.lower(jnp.asarray(x), jnp.asarray(ids),
+    # one SwiGLU call over every (row, expert) pair
+    self.assertIn("mtpjax_quant_swiglu", routed.lower(jnp.asarray(x), jnp.asarray(ids),
                                                       *weights).as_text())
     got = np.asarray(routed(jnp.asarray(x), jnp.asarray(ids), *weights))
     want, ties = _int8_reference(x, ids, *self.dense)

@@ -1,14 +1,14 @@
 """Native CPU kernels, compiled once per machine and registered with XLA as FFI targets.
 
-`quant_matvec.cc` (with `quant_blocks.h`) contracts a few rows against GGUF-quantized matrices
-reading each block's integers once, and `paged_attention.cc` attends a step's few query rows
-over a paged GQA cache reading each row once (see their headers). They are built on first use
-into one library with the C++
-compiler (`$CXX`, else `g++`) for this CPU (`-march=native`, or `$MTPJAX_NATIVE_MARCH`) against
-the FFI headers jaxlib ships, into `$MTPJAX_CACHE_DIR/native` (default `~/.cache/mtpjax/native`),
-keyed by the sources, the flags, jaxlib's version and the CPU, so later processes only load it.
-Where no compiler works, or `MTPJAX_NATIVE=0`, `available()` is False and the callers keep their
-XLA paths (logged once)."""
+`quant_matvec.cc` (with `quant_product.h` and `quant_blocks.h`) contracts a few rows against
+GGUF-quantized matrices reading each block's integers once, several tensors or a whole SwiGLU
+in one call, and `paged_attention.cc` attends a step's few query rows over a paged GQA cache
+reading each row once (see their headers). They are built on first use into one library with
+the C++ compiler (`$CXX`, else `g++`) for this CPU (`-march=native`, or `$MTPJAX_NATIVE_MARCH`)
+against the FFI headers jaxlib ships, into `$MTPJAX_CACHE_DIR/native` (default
+`~/.cache/mtpjax/native`), keyed by the sources, the flags, jaxlib's version and the CPU, so
+later processes only load it. Where no compiler works, or `MTPJAX_NATIVE=0`, `available()` is
+False and the callers keep their XLA paths (logged once)."""
 
 from __future__ import annotations
 
@@ -30,8 +30,10 @@ import numpy as np
 
 _HERE = pathlib.Path(__file__).parent
 _UNITS = (_HERE / "quant_matvec.cc", _HERE / "paged_attention.cc")   # compiled into one library
-_SOURCES = (*_UNITS, _HERE / "quant_blocks.h", _HERE / "shared_tasks.h")   # built from
+_SOURCES = (*_UNITS, *(_HERE / h for h in (
+    "quant_product.h", "quant_blocks.h", "shared_tasks.h", "simd_math.h")))   # built from
 _TARGET = "mtpjax_quant_matvec"
+_SWIGLU_TARGET = "mtpjax_quant_swiglu"
 _ATTENTION_TARGET = "mtpjax_paged_attention"
 _FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 # GGUF type names in the kernel's TypeCode order.
@@ -110,6 +112,8 @@ def _load() -> bool:
     library = ctypes.CDLL(str(path))
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.MtpjaxQuantMatvec),
                                 platform="cpu")
+    jax.ffi.register_ffi_target(_SWIGLU_TARGET, jax.ffi.pycapsule(library.MtpjaxQuantSwiglu),
+                                platform="cpu")
     jax.ffi.register_ffi_target(_ATTENTION_TARGET,
                                 jax.ffi.pycapsule(library.MtpjaxPagedAttention), platform="cpu")
   except (OSError, RuntimeError, AttributeError) as e:
@@ -132,6 +136,11 @@ def integer_rows(type_name: str) -> bool:
           and bool(_state["library"].MtpjaxIntegerRows(TYPE_NAMES.index(type_name))))
 
 
+# A tensor as the kernel reads it: (GGUF type name, fields shaped `[E, N, nb, ...]` in
+# `quant_blocks.field_specs` order).
+Tensor = tuple[str, list[jax.Array]]
+
+
 def quant_matvec(x: jax.Array, ids: jax.Array, type_name: str, fields: list[jax.Array],
                  int8_activations: bool = False) -> jax.Array:
   """Rows `x [R, K]` against quantized matrices: row r against matrix
@@ -140,16 +149,56 @@ def quant_matvec(x: jax.Array, ids: jax.Array, type_name: str, fields: list[jax.
   K-quants) to int8 and a float32 scale, as llama.cpp multiplies (about 3x less arithmetic;
   a result is the exact weights' product with the rounded row); Q2_K / Q3_K, and every type
   where the CPU has no AVX2 (the portable path), keep float32 rows. Only where `available()`."""
+  return quant_matvecs(x, ids, [(type_name, fields)], [int8_activations])[0]
+
+
+def _codes(tensors: list[Tensor], int8: list[bool]) -> dict[str, np.ndarray]:
+  return {"type_codes": np.array([TYPE_NAMES.index(t) for t, _ in tensors], np.int32),
+          "int8_x": np.array([bool(i) for i in int8], np.int32)}
+
+
+def _split_rows(call, x: jax.Array, ids: jax.Array) -> list[jax.Array]:
+  """`call(x, ids)` (a list of results) over at most MAX_ROWS rows at a time: a row's result
+  does not depend on the others, so the split is exact."""
+  if x.shape[0] <= MAX_ROWS:
+    return call(x.astype(jnp.float32), ids.astype(jnp.int32))
+  parts = [call(x[r:r + MAX_ROWS].astype(jnp.float32), ids[r:r + MAX_ROWS].astype(jnp.int32))
+           for r in range(0, x.shape[0], MAX_ROWS)]
+  return [jnp.concatenate(results) for results in zip(*parts)]
+
+
+def quant_matvecs(x: jax.Array, ids: jax.Array, tensors: list[Tensor],
+                  int8_activations: list[bool]) -> list[jax.Array]:
+  """`quant_matvec` of the same rows against several tensors in one call (q, k and v of one
+  x): a `[R, N_i]` result each, equal to its own call's, for one call's fixed cost."""
   _require()
-  if x.shape[0] > MAX_ROWS:   # a row's result does not depend on the others: split exactly
-    return jnp.concatenate([
-        quant_matvec(x[r:r + MAX_ROWS], ids[r:r + MAX_ROWS], type_name, fields,
-                     int8_activations) for r in range(0, x.shape[0], MAX_ROWS)])
-  out = jax.ShapeDtypeStruct((x.shape[0], fields[0].shape[1]), jnp.float32)
-  call = jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")
-  return call(x.astype(jnp.float32), ids.astype(jnp.int32), *fields,
-              type_code=np.int32(TYPE_NAMES.index(type_name)),
-              int8_x=np.int32(bool(int8_activations)))
+  flat = [f for _, fields in tensors for f in fields]
+  codes = _codes(tensors, int8_activations)
+
+  def call(xs, rows):
+    out = [jax.ShapeDtypeStruct((xs.shape[0], fields[0].shape[1]), jnp.float32)
+           for _, fields in tensors]
+    return list(jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")(xs, rows, *flat, **codes))
+
+  return _split_rows(call, x, ids)
+
+
+def quant_swiglu(x: jax.Array, ids: jax.Array, gate: Tensor, up: Tensor, down: Tensor,
+                 int8_activations: list[bool]) -> jax.Array:
+  """A SwiGLU feed-forward in one call: `down(silu(gate(x)) * up(x))`, row r through matrix
+  `ids[r]` of each (an expert, or 0): `[R, D]` float32. Each contraction is `quant_matvec`'s;
+  silu(g) * u is computed in float32 between them (g / (1 + exp(-g)) * u, its exp within 2
+  ulp; 0 past g = -88.7, as XLA's). Only where `available()`."""
+  _require()
+  flat = [f for _, fields in (gate, up, down) for f in fields]
+  codes = _codes([gate, up, down], int8_activations)
+
+  def call(xs, rows):
+    out = jax.ShapeDtypeStruct((xs.shape[0], down[1][0].shape[1]), jnp.float32)
+    return [jax.ffi.ffi_call(_SWIGLU_TARGET, out, vmap_method="sequential")(xs, rows, *flat,
+                                                                            **codes)]
+
+  return _split_rows(call, x, ids)[0]
 
 
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array,

@@ -4,14 +4,15 @@
 // XNNPACK (~20 us a call however small), after converting the block's float16 keys and values
 // to float32 in a copy of their own, and at long contexts the blockwise passes read the cache
 // several times. This kernel reads each key and value row once, straight from the pool (float16,
-// bfloat16 bits or float32), for the query heads that share it.
+// bfloat16 bits or float32), a page at a time converted to float32 once for all the query
+// heads that share it (12 a kv head in GLM-4.5-Air).
 //
 // Call (see mtpjax/kernels/native.py): q f32 [b, T, Hkv, g, hd] (scaled), the pools k
 // [P, Hkv, R, hd] and v [P, Hkv, vd, R] (one dtype: F16, U16 = bfloat16 bits, or F32), the page
 // table s32 [b, max_pages] and positions s32 [b, T]; result f32 [b, T, Hkv, g, vd]. Query row
 // (s, t) attends to rows j <= positions[s, t] of slot s (row j on page table[s, j / R], row
-// j % R), with a two-pass softmax in float32: the scores, their max, exp(score - max) and
-// their sum, then the values weighted by the exps over the sum. A row's result depends on
+// j % R), with a two-pass softmax in float32: the scores, their max, exp(score - max)
+// (`simd_math.h`) and their sum, then the values weighted by the exps over the sum. A row's result depends on
 // nothing but its query and the rows it reads, so it is the same in a decode step (T = 1)
 // and in a verify step (T = k + 1). The (slot, row, kv head) tasks are shared with XLA's
 // intra-op threads from one counter, as quant_matvec.cc shares its chunks.
@@ -25,6 +26,7 @@
 
 #include "quant_blocks.h"
 #include "shared_tasks.h"
+#include "simd_math.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -67,18 +69,25 @@ inline __m256 stored8(const void* base, int64_t i, Stored kind) {
 }
 #endif
 
-// sum_k w[k] x (stored value i + k), k < n: eight lanes at a time where AVX2 is built, then
-// the lanes summed and the tail added in order (the same arithmetic for every call).
-inline float dot(const void* base, int64_t i, const float* w, int64_t n, Stored kind) {
+// sum_k a[k] b[k], k < n: sixteen lanes at a time where AVX2 is built (two independent chains
+// of multiply-adds), then the lanes summed and the tail added in order (the same arithmetic for
+// every call).
+inline float dot(const float* a, const float* b, int64_t n) {
   int64_t k = 0;
   float sum = 0.0f;
 #ifdef MTPJAX_ATTENTION_SIMD
-  __m256 acc = _mm256_setzero_ps();
-  for (; k + 8 <= n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + k),
-                                                   stored8(base, i + k, kind), acc);
-  sum = horizontal_sum(acc);
+  __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+  for (; k + 16 <= n; k += 16) {
+    even = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), even);
+    odd = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), odd);
+  }
+  if (k + 8 <= n) {
+    even = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), even);
+    k += 8;
+  }
+  sum = horizontal_sum(_mm256_add_ps(even, odd));
 #endif
-  for (; k < n; ++k) sum += w[k] * stored_value(base, i + k, kind);
+  for (; k < n; ++k) sum += a[k] * b[k];
   return sum;
 }
 
@@ -101,64 +110,93 @@ struct Attend {
     return std::min<int64_t>(std::max<int64_t>(page, 0), pool_pages - 1);
   }
 
-  // Query rows (slot, t) of kv head h's group, against rows 0 .. positions[slot, t].
   void run_task(int64_t task) {
+    switch (kind) {   // each storage kind its own copy, the conversions inlined in the loops
+      case Stored::kF32: return attend<Stored::kF32>(task);
+      case Stored::kF16: return attend<Stored::kF16>(task);
+      default: return attend<Stored::kBf16>(task);
+    }
+  }
+
+  // Stored values [first, first + n) of a pool as floats in `out` (each converted once, then
+  // read by every query head of the group).
+  template <Stored kKind>
+  static void to_floats(const void* base, int64_t first, int64_t n, float* out) {
+    int64_t i = 0;
+#ifdef MTPJAX_ATTENTION_SIMD
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, stored8(base, first + i, kKind));
+#endif
+    for (; i < n; ++i) out[i] = stored_value(base, first + i, kKind);
+  }
+
+  // Query rows (slot, t) of kv head h's group, against rows 0 .. positions[slot, t]: the scores
+  // page by page (a page's keys converted once for the group), the softmax, then the values
+  // page by page (converted once too).
+  template <Stored kKind>
+  void attend(int64_t task) {
     int64_t h = task % kv_heads, st = task / kv_heads, slot = st / rows;
     int64_t seen = std::min<int64_t>(int64_t(positions[st]) + 1, max_pages * page_rows);
     if (seen < 1) seen = 1;
     const float* query = q + (st * kv_heads + h) * group * head_dim;
     std::vector<float> scores(group * seen);
-    for (int64_t j = 0; j < seen; ++j) {
-      int64_t row = ((page_of(slot, j) * kv_heads + h) * page_rows + j % page_rows) * head_dim;
-      for (int64_t g = 0; g < group; ++g) {
-        scores[g * seen + j] = dot(k, row, query + g * head_dim, head_dim, kind);
+    std::vector<float> page(page_rows * std::max(head_dim, value_dim));
+    for (int64_t first = 0; first < seen; first += page_rows) {
+      int64_t n = std::min(page_rows, seen - first);
+      to_floats<kKind>(k, (page_of(slot, first) * kv_heads + h) * page_rows * head_dim,
+                       n * head_dim, page.data());
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t g = 0; g < group; ++g) {
+          scores[g * seen + first + r] =
+              dot(page.data() + r * head_dim, query + g * head_dim, head_dim);
+        }
       }
     }
     std::vector<float> total(group);
     for (int64_t g = 0; g < group; ++g) {
       float* s = scores.data() + g * seen;
-      float top = *std::max_element(s, s + seen);
+      mtpjax_math::exp_shifted(s, seen, *std::max_element(s, s + seen));
       float sum = 0.0f;
-      for (int64_t j = 0; j < seen; ++j) {
-        s[j] = std::exp(s[j] - top);
-        sum += s[j];
-      }
+      for (int64_t j = 0; j < seen; ++j) sum += s[j];
       total[g] = sum;
     }
     float* result = out + (st * kv_heads + h) * group * value_dim;
-    weighted_values(slot, h, seen, scores.data(), result);
+    weighted_values<kKind>(slot, h, seen, scores.data(), page.data(), result);
     for (int64_t g = 0; g < group; ++g) {
       for (int64_t d = 0; d < value_dim; ++d) result[g * value_dim + d] /= total[g];
     }
   }
 
   // result[g, d] = sum_j weights[g, j] v[j, d] over rows j < seen, page by page (a page's values
-  // are [vd, R]: each value index's rows are contiguous). With AVX2 each (g, d) keeps eight
-  // lanes over the rows, summed once at the end, so a page of 16 rows costs two
-  // multiply-adds per (g, d) and no horizontal sum.
-  void weighted_values(int64_t slot, int64_t h, int64_t seen, const float* weights,
+  // are [vd, R]: each value index's rows are contiguous, converted once into `page`). With
+  // AVX2 each (g, d) keeps eight lanes over the rows, summed once at the end, so a page of 16
+  // rows costs two multiply-adds per (g, d) and no horizontal sum; a page's rows past a
+  // multiple of eight are added in order beside them.
+  template <Stored kKind>
+  void weighted_values(int64_t slot, int64_t h, int64_t seen, const float* weights, float* page,
                        float* result) {
     std::vector<float> tail(group * value_dim, 0.0f);
 #ifdef MTPJAX_ATTENTION_SIMD
     std::vector<float> lanes(group * value_dim * 8, 0.0f);
 #endif
     for (int64_t first = 0; first < seen; first += page_rows) {
-      int64_t page = page_of(slot, first), n = std::min(page_rows, seen - first), r0 = 0;
-      for (int64_t d = 0; d < value_dim; ++d) {
-        int64_t row = ((page * kv_heads + h) * value_dim + d) * page_rows;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* w = weights + g * seen + first;
-          r0 = 0;
+      int64_t n = std::min(page_rows, seen - first), full = 0;
+      to_floats<kKind>(v, (page_of(slot, first) * kv_heads + h) * value_dim * page_rows,
+                       value_dim * page_rows, page);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* w = weights + g * seen + first;
+        for (int64_t d = 0; d < value_dim; ++d) {
+          const float* values = page + d * page_rows;
+          full = 0;
 #ifdef MTPJAX_ATTENTION_SIMD
           float* lane = lanes.data() + (g * value_dim + d) * 8;
           __m256 acc = _mm256_loadu_ps(lane);
-          for (; r0 + 8 <= n; r0 += 8) {
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + r0), stored8(v, row + r0, kind), acc);
+          for (; full + 8 <= n; full += 8) {
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + full), _mm256_loadu_ps(values + full), acc);
           }
           _mm256_storeu_ps(lane, acc);
 #endif
           float sum = 0.0f;
-          for (int64_t r = r0; r < n; ++r) sum += w[r] * stored_value(v, row + r, kind);
+          for (int64_t r = full; r < n; ++r) sum += w[r] * values[r];
           tail[g * value_dim + d] += sum;
         }
       }

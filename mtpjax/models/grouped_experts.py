@@ -1,7 +1,9 @@
 """Routed SwiGLU experts over (row, expert) pairs: only the selected experts run.
 
-Pairs are sorted by expert, so each selected expert's weights are read once per call however
-many rows chose it, and arithmetic is proportional to rows x top-k, not rows x experts.
+Pairs are grouped by expert, so each selected expert's weights are read once per call however
+many rows chose it, and arithmetic is proportional to rows x top-k, not rows x experts. On
+XLA:CPU with quantized experts every pair goes through one native SwiGLU call, which groups
+them itself (`quantized.native_swiglu`).
 
 - Few rows (decode, verify, small batches): a loop over the pairs, each contracting its row
   against its expert's weights read by id from the store (dense, or quantized integers via
@@ -49,17 +51,12 @@ def _one_pair(x_row, weight, e):
 
 
 def _native_pairs(x, expert_ids, gate, up, down):
-  """XLA:CPU with quantized experts: each of the three contractions is one native call over
-  every pair (row r against expert e), each selected expert's blocks unpacked once."""
-  order, experts, rows = _sorted_pairs(expert_ids)
-  xs = x[rows]
-
-  def project(h, weight):
-    return quantized.native_contract(h, experts, weight.type_name, weight.fields(),
-                                     weight.int8_activations).astype(x.dtype)
-
-  act = jax.nn.silu(project(xs, gate)) * project(xs, up)
-  return _unsort(project(act, down), order, *expert_ids.shape)
+  """XLA:CPU with quantized experts: every (row, expert) pair through its expert's SwiGLU in one
+  native call, which groups the pairs by expert itself (each selected expert's blocks unpacked
+  once), so they need no sorting here."""
+  n, k = expert_ids.shape
+  y = quantized.native_swiglu(jnp.repeat(x, k, axis=0), expert_ids.reshape(-1), gate, up, down)
+  return y.reshape(n, k, -1).astype(x.dtype)
 
 
 def _takes_native(expert_ids, *weights) -> bool:

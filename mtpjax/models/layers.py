@@ -13,7 +13,7 @@ from mtpjax.models import kv_cache
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.ffn import DenseMLP, MoE
 from mtpjax.models.mla import MlaAttention
-from mtpjax.models.primitives import Linear, RMSNorm, rope_neox
+from mtpjax.models.primitives import Linear, RMSNorm, project, rope_neox
 
 
 class Attention(nnx.Module):
@@ -40,9 +40,10 @@ class Attention(nnx.Module):
     cfg = self.cfg
     positions = meta.positions
     b, t, _ = x.shape
-    q = self.wq(x).reshape(b, t, cfg.n_heads, cfg.head_dim)
-    k = self.wk(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-    v = self.wv(x).reshape(b, t, cfg.n_kv_heads, cfg.value_dim)
+    q, k, v = project(x, self.wq, self.wk, self.wv)
+    q = q.reshape(b, t, cfg.n_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.n_kv_heads, cfg.value_dim)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     q = rope_neox(q, positions, cfg.rope_dims, cfg.rope_theta)

@@ -20,7 +20,7 @@ from flax import nnx
 from mtpjax.models import kv_cache, yarn
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.dsa_indexer import Indexer
-from mtpjax.models.primitives import HeadProjection, Linear, RMSNorm
+from mtpjax.models.primitives import HeadProjection, Linear, RMSNorm, project
 
 
 class MlaAttention(nnx.Module):
@@ -58,14 +58,13 @@ class MlaAttention(nnx.Module):
     b, t, _ = x.shape
     positions = meta.positions
     nope = cfg.head_dim - cfg.rope_dims
+    q, kv = project(x, self.wq if self.wq_a is None else self.wq_a, self.wkv_a)
+    q_resid = None
     if self.wq_a is not None:
-      q_resid = self.q_a_norm(self.wq_a(x))
+      q_resid = self.q_a_norm(q)
       q = self.wq_b(q_resid)
-    else:
-      q_resid, q = None, self.wq(x)
     q = q.reshape(b, t, cfg.n_heads, cfg.head_dim)
     q_nope, q_pe = q[..., :nope], yarn.scaled_rope(q[..., nope:], positions, cfg)
-    kv = self.wkv_a(x)
     c = self.kv_a_norm(kv[..., :cfg.kv_lora_rank])
     k_pe = yarn.scaled_rope(kv[..., None, cfg.kv_lora_rank:], positions, cfg)[:, :, 0]
     latent_cache, index_cache = cache

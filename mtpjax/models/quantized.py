@@ -21,7 +21,9 @@ Contraction (`matmul`, `contract`), by backend:
   into every row (`native_contract`), and so do a prefill's int8 rows (`int8_activations`)
   against per-head matrices and routed experts; more rows, or where the kernel cannot be
   built, a tile of output rows at a time (2 MB of float32 values) is dequantized (in cache)
-  and contracted by a dot (`tiled_contract`). XLA's own fused reduction vectorizes badly
+  and contracted by a dot (`tiled_contract`). Where several weights read the same decode
+  rows, one kernel call takes them all (`matmuls`: q, k and v; `swiglu`: a whole SwiGLU
+  feed-forward), which saves a call and an XLA operation or two each. XLA's own fused reduction vectorizes badly
   there (0.5-2 G elements/s on 2 cores) and a whole-matrix dequantize writes the float32
   matrix to memory (1.3 GB for a 155K-row vocabulary head) before the GEMM reads it back.
 """
@@ -298,6 +300,52 @@ def native_contract(x: jax.Array, ids: jax.Array | None, type_name: str,
     ordered = [a[None] for a in ordered]
     ids = jnp.zeros((x.shape[0],), jnp.int32)
   return native.quant_matvec(x, ids, type_name, ordered, int8_activations)
+
+
+def _kernel_tensor(weight: QuantizedTensor) -> native.Tensor:
+  """A matrix `[out, in]` or a stack `[E, out, in]` as the native kernel reads it."""
+  fields = list(weight.fields().values())
+  return weight.type_name, fields if len(weight.shape) == 3 else [f[None] for f in fields]
+
+
+def _one_call(x: jax.Array, weights) -> bool:
+  """Whether one native call can contract x's rows with every weight: each is quantized and
+  takes the kernel at this row count, as it would in a call of its own (`takes_native`)."""
+  rows = math.prod(x.shape[:-1])
+  return all(isinstance(w, QuantizedTensor) and takes_native(w.type_name, rows) for w in weights)
+
+
+def matmuls(x: jax.Array, weights) -> list[jax.Array] | None:
+  """`matmul(x, w)` for each of several quantized weights that read the same rows (q, k, v) in
+  one native call (the same results, one call's fixed cost: XLA:CPU decode rows), or None
+  where that call does not apply (`_one_call`)."""
+  if not _one_call(x, weights):
+    return None
+  flat = x.reshape(-1, x.shape[-1])
+  ys = native.quant_matvecs(flat, jnp.zeros((flat.shape[0],), jnp.int32),
+                            [_kernel_tensor(w) for w in weights],
+                            [w.int8_activations for w in weights])
+  return [y.reshape(x.shape[:-1] + (-1,)).astype(x.dtype) for y in ys]
+
+
+def native_swiglu(x: jax.Array, ids: jax.Array | None, gate: QuantizedTensor,
+                  up: QuantizedTensor, down: QuantizedTensor) -> jax.Array:
+  """Rows `x [R, in]` through a SwiGLU feed-forward of quantized matrices (`[E, ...]` stacks,
+  row r through expert `ids[r]`; or single matrices, ids None) in one native call: `[R, out]`
+  float32."""
+  if ids is None:
+    ids = jnp.zeros((x.shape[0],), jnp.int32)
+  return native.quant_swiglu(x, ids, *map(_kernel_tensor, (gate, up, down)),
+                             [w.int8_activations for w in (gate, up, down)])
+
+
+def swiglu(x: jax.Array, gate, up, down) -> jax.Array | None:
+  """`down(silu(gate(x)) * up(x))` of quantized `[out, in]` weights in one native call, in x's
+  dtype, or None where that call does not apply (`_one_call`)."""
+  if not _one_call(x, (gate, up, down)):
+    return None
+  y = native_swiglu(x.reshape(-1, x.shape[-1]), None, gate, up, down)
+  return y.reshape(x.shape[:-1] + (-1,)).astype(x.dtype)
 
 
 def _tile_rows(out: int, width: int) -> int:
