@@ -64,6 +64,19 @@ class NativeAttentionTest(parameterized.TestCase):
     np.testing.assert_allclose(np.asarray(out), reference(q, k_pool, v_pool, table, positions),
                                rtol=1e-5, atol=1e-5)
 
+  @parameterized.parameters("float16", "bfloat16")
+  def test_a_wide_group_and_widths_past_the_vector_lanes(self, dtype):
+    # GLM-4.5-Air's 12 query heads a kv head share each converted page; head and value widths
+    # of 24 and 20 take the 16-lane, 8-lane and scalar parts of the dots and value sums, and
+    # 16-row pages with positions mid-page the eight-row lanes and their tails.
+    q, k_pool, v_pool, table, positions = case(
+        4, group=12, head_dim=24, value_dim=20, page_rows=16, pool_pages=9, max_pages=6,
+        positions=((37, 38, 40), (5, 16, 77)), dtype=dtype)
+    out = native.paged_attention(jnp.asarray(q), stored(k_pool, dtype), stored(v_pool, dtype),
+                                 jnp.asarray(table), jnp.asarray(positions))
+    np.testing.assert_allclose(np.asarray(out), reference(q, k_pool, v_pool, table, positions),
+                               rtol=1e-5, atol=1e-5)
+
   def test_a_long_context_shared_with_helper_threads(self):
     # 2 slots x 2 kv heads reading ~3,000 rows each: past the threshold where helpers join.
     q, k_pool, v_pool, table, positions = case(
