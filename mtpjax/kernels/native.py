@@ -141,64 +141,57 @@ def integer_rows(type_name: str) -> bool:
 Tensor = tuple[str, list[jax.Array]]
 
 
-def quant_matvec(x: jax.Array, ids: jax.Array, type_name: str, fields: list[jax.Array],
+def quant_matvec(x: jax.Array, ids: jax.Array | None, type_name: str, fields: list[jax.Array],
                  int8_activations: bool = False) -> jax.Array:
   """Rows `x [R, K]` against quantized matrices: row r against matrix
-  `ids[r]` of fields shaped `[E, N, nb, ...]` (`quant_blocks.field_specs` order): `[R, N]`
-  float32. `int8_activations`: each row of x rounded per weight block (32 values, 256 for
-  K-quants) to int8 and a float32 scale, as llama.cpp multiplies (about 3x less arithmetic;
-  a result is the exact weights' product with the rounded row); Q2_K / Q3_K, and every type
-  where the CPU has no AVX2 (the portable path), keep float32 rows. Only where `available()`."""
+  `ids[r]` of fields shaped `[E, N, nb, ...]` (`quant_blocks.field_specs` order; ids None:
+  every row against matrix 0): `[R, N]` float32. `int8_activations`: each row of x rounded
+  per weight block (32 values, 256 for K-quants) to int8 and a float32 scale, as llama.cpp
+  multiplies (about 3x less arithmetic; a result is the exact weights' product with the
+  rounded row); Q2_K / Q3_K, and every type where the CPU has no AVX2 (the portable path), keep
+  float32 rows. Only where `available()`."""
   return quant_matvecs(x, ids, [(type_name, fields)], [int8_activations])[0]
 
 
-def _codes(tensors: list[Tensor], int8: list[bool]) -> dict[str, np.ndarray]:
-  return {"type_codes": np.array([TYPE_NAMES.index(t) for t, _ in tensors], np.int32),
-          "int8_x": np.array([bool(i) for i in int8], np.int32)}
-
-
-def _split_rows(call, x: jax.Array, ids: jax.Array) -> list[jax.Array]:
-  """`call(x, ids)` (a list of results) over at most MAX_ROWS rows at a time: a row's result
-  does not depend on the others, so the split is exact."""
-  if x.shape[0] <= MAX_ROWS:
-    return call(x.astype(jnp.float32), ids.astype(jnp.int32))
-  parts = [call(x[r:r + MAX_ROWS].astype(jnp.float32), ids[r:r + MAX_ROWS].astype(jnp.int32))
-           for r in range(0, x.shape[0], MAX_ROWS)]
-  return [jnp.concatenate(results) for results in zip(*parts)]
-
-
-def quant_matvecs(x: jax.Array, ids: jax.Array, tensors: list[Tensor],
+def quant_matvecs(x: jax.Array, ids: jax.Array | None, tensors: list[Tensor],
                   int8_activations: list[bool]) -> list[jax.Array]:
   """`quant_matvec` of the same rows against several tensors in one call (q, k and v of one
   x): a `[R, N_i]` result each, equal to its own call's, for one call's fixed cost."""
-  _require()
-  flat = [f for _, fields in tensors for f in fields]
-  codes = _codes(tensors, int8_activations)
-
-  def call(xs, rows):
-    out = [jax.ShapeDtypeStruct((xs.shape[0], fields[0].shape[1]), jnp.float32)
-           for _, fields in tensors]
-    return list(jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")(xs, rows, *flat, **codes))
-
-  return _split_rows(call, x, ids)
+  return _call(_TARGET, x, ids, tensors, int8_activations,
+               [fields[0].shape[1] for _, fields in tensors])
 
 
-def quant_swiglu(x: jax.Array, ids: jax.Array, gate: Tensor, up: Tensor, down: Tensor,
+def quant_swiglu(x: jax.Array, ids: jax.Array | None, gate: Tensor, up: Tensor, down: Tensor,
                  int8_activations: list[bool]) -> jax.Array:
   """A SwiGLU feed-forward in one call: `down(silu(gate(x)) * up(x))`, row r through matrix
-  `ids[r]` of each (an expert, or 0): `[R, D]` float32. Each contraction is `quant_matvec`'s;
-  silu(g) * u is computed in float32 between them (g / (1 + exp(-g)) * u, its exp within 2
-  ulp; 0 past g = -88.7, as XLA's). Only where `available()`."""
+  `ids[r]` of each (an expert; ids None: matrix 0): `[R, D]` float32. Each contraction is
+  `quant_matvec`'s; silu(g) * u is computed in float32 between them (g / (1 + exp(-g)) * u, its
+  exp within 2 ulp; 0 past g = -88.7, as XLA's). Only where `available()`."""
+  return _call(_SWIGLU_TARGET, x, ids, [gate, up, down], int8_activations,
+               [down[1][0].shape[1]])[0]
+
+
+def _call(target: str, x: jax.Array, ids: jax.Array | None, tensors: list[Tensor],
+          int8_activations: list[bool], widths: list[int]) -> list[jax.Array]:
+  """One call of a quantized-matrix target over the fields of `tensors` in order: `[R, width]`
+  float32 results, at most MAX_ROWS rows a call (a row's result does not depend on the others,
+  so longer calls split exactly)."""
   _require()
-  flat = [f for _, fields in (gate, up, down) for f in fields]
-  codes = _codes([gate, up, down], int8_activations)
+  flat = [f for _, fields in tensors for f in fields]
+  codes = {"type_codes": np.array([TYPE_NAMES.index(t) for t, _ in tensors], np.int32),
+           "int8_x": np.array([bool(i) for i in int8_activations], np.int32)}
+  x = x.astype(jnp.float32)
+  ids = jnp.zeros((x.shape[0],), jnp.int32) if ids is None else ids.astype(jnp.int32)
 
-  def call(xs, rows):
-    out = jax.ShapeDtypeStruct((xs.shape[0], down[1][0].shape[1]), jnp.float32)
-    return [jax.ffi.ffi_call(_SWIGLU_TARGET, out, vmap_method="sequential")(xs, rows, *flat,
-                                                                            **codes)]
+  def call(r0: int, r1: int) -> list[jax.Array]:
+    out = [jax.ShapeDtypeStruct((r1 - r0, width), jnp.float32) for width in widths]
+    return list(jax.ffi.ffi_call(target, out, vmap_method="sequential")(
+        x[r0:r1], ids[r0:r1], *flat, **codes))
 
-  return _split_rows(call, x, ids)[0]
+  if x.shape[0] <= MAX_ROWS:
+    return call(0, x.shape[0])
+  parts = [call(r, min(r + MAX_ROWS, x.shape[0])) for r in range(0, x.shape[0], MAX_ROWS)]
+  return [jnp.concatenate(results) for results in zip(*parts)]
 
 
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array,

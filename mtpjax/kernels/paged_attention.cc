@@ -12,9 +12,9 @@
 // table s32 [b, max_pages] and positions s32 [b, T]; result f32 [b, T, Hkv, g, vd]. Query row
 // (s, t) attends to rows j <= positions[s, t] of slot s (row j on page table[s, j / R], row
 // j % R), with a two-pass softmax in float32: the scores, their max, exp(score - max)
-// (`simd_math.h`) and their sum, then the values weighted by the exps over the sum. A row's result depends on
-// nothing but its query and the rows it reads, so it is the same in a decode step (T = 1)
-// and in a verify step (T = k + 1). The (slot, row, kv head) tasks are shared with XLA's
+// (`simd_math.h`) and their sum, then the values weighted by the exps over the sum. A row's
+// result depends on nothing but its query and the rows it reads, so it is the same in a
+// decode step (T = 1) and in a verify step (T = k + 1). The (slot, row, kv head) tasks are shared with XLA's
 // intra-op threads from one counter, as quant_matvec.cc shares its chunks.
 
 #include <algorithm>
@@ -179,14 +179,14 @@ struct Attend {
     std::vector<float> lanes(group * value_dim * 8, 0.0f);
 #endif
     for (int64_t first = 0; first < seen; first += page_rows) {
-      int64_t n = std::min(page_rows, seen - first), full = 0;
+      int64_t n = std::min(page_rows, seen - first);
       to_floats<kKind>(v, (page_of(slot, first) * kv_heads + h) * value_dim * page_rows,
                        value_dim * page_rows, page);
       for (int64_t g = 0; g < group; ++g) {
         const float* w = weights + g * seen + first;
         for (int64_t d = 0; d < value_dim; ++d) {
           const float* values = page + d * page_rows;
-          full = 0;
+          int64_t full = 0;
 #ifdef MTPJAX_ATTENTION_SIMD
           float* lane = lanes.data() + (g * value_dim + d) * 8;
           __m256 acc = _mm256_loadu_ps(lane);

@@ -116,33 +116,6 @@ ffi::Error QuantMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   return ffi::Error::Success();
 }
 
-#ifdef MTPJAX_SIMD
-inline __m256 silu_times8(__m256 gate, __m256 up) {
-  __m256 e = mtpjax_math::exp8(_mm256_sub_ps(_mm256_setzero_ps(), gate));
-  return _mm256_mul_ps(_mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), up);
-}
-#endif
-
-// silu(gate) * up = gate / (1 + exp(-gate)) * up in float32, n values (eight at a time, a
-// short tail padded to eight, so a value does not depend on where it sits).
-void swiglu_activations(const float* gate, const float* up, int64_t n, float* out) {
-#ifdef MTPJAX_SIMD
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(out + i, silu_times8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
-  }
-  if (i < n) {
-    alignas(32) float g[8] = {}, u[8] = {}, o[8];
-    std::copy(gate + i, gate + n, g);
-    std::copy(up + i, up + n, u);
-    _mm256_store_ps(o, silu_times8(_mm256_load_ps(g), _mm256_load_ps(u)));
-    std::copy(o, o + (n - i), out + i);
-  }
-#else
-  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
-#endif
-}
-
 ffi::Error QuantSwiglu(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
                        ffi::RemainingArgs fields, ffi::ResultBuffer<ffi::F32> y,
                        ffi::Span<const int32_t> type_codes, ffi::Span<const int32_t> int8_x) {
@@ -171,7 +144,7 @@ ffi::Error QuantSwiglu(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   run(pool, gate_up);
   auto down_call = std::make_shared<Call>();
   down_call->scratch.resize(rows * ffn);
-  swiglu_activations(gate.y, up.y, rows * ffn, down_call->scratch.data());
+  mtpjax_math::silu_times(gate.y, up.y, rows * ffn, down_call->scratch.data());
   Work& down = down_call->add();
   if (auto e = down.plan(down_call->scratch.data(), rows, ffn, ids.typed_data(), type_codes[2],
                          int8_x[2] != 0, fields, first, y->typed_data());

@@ -1,6 +1,6 @@
 // Elementwise float32 math the native kernels share, eight lanes at a time with AVX2: an exp
 // several times cheaper than the C library's scalar one, for SwiGLU activations
-// (quant_matvec.cc) and softmax weights (paged_attention.cc). Every value is computed alone, the
+// (`silu_times`, quant_matvec.cc) and softmax weights (`exp_shifted`, paged_attention.cc). Every value is computed alone, the
 // same in any lane, so a result never depends on where a value sits in its array.
 
 #pragma once
@@ -36,22 +36,54 @@ inline __m256 exp8(__m256 v) {
 }
 #endif
 
-// values[i] = exp(values[i] - shift), i < n (eight at a time, a short tail padded to eight).
+#ifdef MTPJAX_SIMD
+// out[i] = f(inputs at i) for i < n: `f(const float* const* at)` returns the eight results for
+// the eight values from each `at[k]` on. A short tail is padded to eight, so each value goes
+// through the same lanes' arithmetic wherever it sits. `out` may be an input.
+template <int kInputs, class F>
+inline void in_eights(const float* const (&inputs)[kInputs], int64_t n, float* out, F f) {
+  const float* at[kInputs];
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int k = 0; k < kInputs; ++k) at[k] = inputs[k] + i;
+    _mm256_storeu_ps(out + i, f(at));
+  }
+  if (i == n) return;
+  alignas(32) float padded[kInputs][8] = {}, results[8];
+  for (int k = 0; k < kInputs; ++k) {
+    std::copy(inputs[k] + i, inputs[k] + n, padded[k]);
+    at[k] = padded[k];
+  }
+  _mm256_store_ps(results, f(at));
+  std::copy(results, results + (n - i), out + i);
+}
+#endif
+
+// values[i] = exp(values[i] - shift), i < n (softmax weights).
 inline void exp_shifted(float* values, int64_t n, float shift) {
 #ifdef MTPJAX_SIMD
   __m256 by = _mm256_set1_ps(shift);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(values + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(values + i), by)));
-  }
-  if (i < n) {
-    alignas(32) float tail[8] = {};
-    std::copy(values + i, values + n, tail);
-    _mm256_store_ps(tail, exp8(_mm256_sub_ps(_mm256_load_ps(tail), by)));
-    std::copy(tail, tail + (n - i), values + i);
-  }
+  const float* inputs[1] = {values};
+  in_eights(inputs, n, values, [by](const float* const* at) {
+    return exp8(_mm256_sub_ps(_mm256_loadu_ps(at[0]), by));
+  });
 #else
   for (int64_t i = 0; i < n; ++i) values[i] = std::exp(values[i] - shift);
+#endif
+}
+
+// out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i], i < n (SwiGLU).
+inline void silu_times(const float* gate, const float* up, int64_t n, float* out) {
+#ifdef MTPJAX_SIMD
+  const float* inputs[2] = {gate, up};
+  in_eights(inputs, n, out, [](const float* const* at) {
+    __m256 g = _mm256_loadu_ps(at[0]);
+    __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
+                         _mm256_loadu_ps(at[1]));
+  });
+#else
+  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 #endif
 }
 

@@ -21,11 +21,12 @@ Contraction (`matmul`, `contract`), by backend:
   into every row (`native_contract`), and so do a prefill's int8 rows (`int8_activations`)
   against per-head matrices and routed experts; more rows, or where the kernel cannot be
   built, a tile of output rows at a time (2 MB of float32 values) is dequantized (in cache)
-  and contracted by a dot (`tiled_contract`). Where several weights read the same decode
-  rows, one kernel call takes them all (`matmuls`: q, k and v; `swiglu`: a whole SwiGLU
-  feed-forward), which saves a call and an XLA operation or two each. XLA's own fused reduction vectorizes badly
+  and contracted by a dot (`tiled_contract`). XLA's own fused reduction vectorizes badly
   there (0.5-2 G elements/s on 2 cores) and a whole-matrix dequantize writes the float32
   matrix to memory (1.3 GB for a 155K-row vocabulary head) before the GEMM reads it back.
+  Where several weights read the same decode rows, one kernel call takes them all
+  (`matmuls`: q, k and v; `swiglu`: a whole SwiGLU feed-forward), which saves a call and an
+  XLA operation or two each.
 """
 
 from __future__ import annotations
@@ -295,17 +296,20 @@ def native_contract(x: jax.Array, ids: jax.Array | None, type_name: str,
                     fields: dict[str, jax.Array], int8_activations: bool = False) -> jax.Array:
   """Rows `x [R, in]` against quantized fields `[out, in]` (ids None) or `[E, out, in]`, row r
   against matrix `ids[r]` (a head, an expert): `[R, out]` float32, from the native kernel."""
-  ordered = [fields[name] for name in quant_blocks.field_specs(type_name, (1, x.shape[-1]))]
-  if ids is None:
-    ordered = [a[None] for a in ordered]
-    ids = jnp.zeros((x.shape[0],), jnp.int32)
-  return native.quant_matvec(x, ids, type_name, ordered, int8_activations)
+  return native.quant_matvec(x, ids, *_kernel_tensor(type_name, fields, ids is not None),
+                             int8_activations)
 
 
-def _kernel_tensor(weight: QuantizedTensor) -> native.Tensor:
-  """A matrix `[out, in]` or a stack `[E, out, in]` as the native kernel reads it."""
-  fields = list(weight.fields().values())
-  return weight.type_name, fields if len(weight.shape) == 3 else [f[None] for f in fields]
+def _kernel_tensor(type_name: str, fields: dict[str, jax.Array], stacked: bool
+                   ) -> native.Tensor:
+  """Quantized fields as the native kernel reads them: in `field_specs` order, each
+  `[E, N, nb, ...]` (a single matrix `[out, in]`, not `stacked`, becomes E = 1)."""
+  names = quant_blocks.field_specs(type_name, (1, quant_blocks.block_size(type_name)))
+  return type_name, [fields[n] if stacked else fields[n][None] for n in names]
+
+
+def _weight_tensor(weight: QuantizedTensor) -> native.Tensor:
+  return _kernel_tensor(weight.type_name, weight.fields(), len(weight.shape) == 3)
 
 
 def _one_call(x: jax.Array, weights) -> bool:
@@ -321,9 +325,8 @@ def matmuls(x: jax.Array, weights) -> list[jax.Array] | None:
   where that call does not apply (`_one_call`)."""
   if not _one_call(x, weights):
     return None
-  flat = x.reshape(-1, x.shape[-1])
-  ys = native.quant_matvecs(flat, jnp.zeros((flat.shape[0],), jnp.int32),
-                            [_kernel_tensor(w) for w in weights],
+  ys = native.quant_matvecs(x.reshape(-1, x.shape[-1]), None,
+                            [_weight_tensor(w) for w in weights],
                             [w.int8_activations for w in weights])
   return [y.reshape(x.shape[:-1] + (-1,)).astype(x.dtype) for y in ys]
 
@@ -333,10 +336,9 @@ def native_swiglu(x: jax.Array, ids: jax.Array | None, gate: QuantizedTensor,
   """Rows `x [R, in]` through a SwiGLU feed-forward of quantized matrices (`[E, ...]` stacks,
   row r through expert `ids[r]`; or single matrices, ids None) in one native call: `[R, out]`
   float32."""
-  if ids is None:
-    ids = jnp.zeros((x.shape[0],), jnp.int32)
-  return native.quant_swiglu(x, ids, *map(_kernel_tensor, (gate, up, down)),
-                             [w.int8_activations for w in (gate, up, down)])
+  weights = (gate, up, down)
+  return native.quant_swiglu(x, ids, *map(_weight_tensor, weights),
+                             [w.int8_activations for w in weights])
 
 
 def swiglu(x: jax.Array, gate, up, down) -> jax.Array | None:
