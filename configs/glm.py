@@ -76,6 +76,11 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # a float32 model's KV bytes; float16 is llama.cpp's default) or float32 (README, "Context
   # length and memory").
   config.engine.kv_cache_dtype = "auto"
+  # Decode positions one dispatch computes a slot (a burst; engines with MTP off on one stage):
+  # the host's per-step work is paid once for all of them, and the tokens are the same. A
+  # burst runs only while no prompt waits to be prefilled beside a free slot, so first tokens
+  # are not delayed; a stream gets its tokens that many at a time. 1: one position a dispatch.
+  config.engine.decode_steps = 4
   # Prompt prefixes (whole pages of the largest bucket) kept for reuse by later prompts that
   # start the same way, least recently used first out; 0 turns prefix caching off.
   config.engine.prefix_cache = 8

@@ -285,18 +285,21 @@ class Model:
              prefill_buckets: Sequence[int] | None = None, timing: bool = False,
              logprobs: int = 0, prefix_cache: int = 0, draft_tokens: int = 1,
              host_drafts: bool = False, kv_page: int = EngineConfig.kv_page,
-             kv_pages: int = 0, kv_cache_dtype: str = EngineConfig.kv_cache_dtype) -> Engine:
+             kv_pages: int = 0, kv_cache_dtype: str = EngineConfig.kv_cache_dtype,
+             decode_steps: int = EngineConfig.decode_steps) -> Engine:
     """A compiled engine, cached by its settings so repeated calls reuse the compiled steps.
     `prefix_cache`: prompt prefixes kept for reuse (0: none); `draft_tokens`: the deepest
     draft window its steps verify (native MTP, or `host_drafts`: an n-gram proposer's, alone
     or extending the MTP chain); `kv_page` rows per KV page and `kv_pages` pages per pool
     (0: every slot at full context); `kv_cache_dtype` the KV cache's values ("auto" as
-    `kv_cache_name` resolves it)."""
+    `kv_cache_name` resolves it); `decode_steps` the decode positions one dispatch computes
+    while no drafts are verified (`EngineConfig.decode_steps`)."""
     drafts = native_mtp or host_drafts
     settings = dict(slots=slots, native_mtp=native_mtp, timing=timing, logprobs=logprobs,
                     prefix_cache=prefix_cache, draft_tokens=draft_tokens if drafts else 1,
                     host_drafts=host_drafts, kv_page=kv_page, kv_pages=kv_pages,
-                    kv_cache_dtype=self.kv_cache_name(kv_cache_dtype))
+                    kv_cache_dtype=self.kv_cache_name(kv_cache_dtype),
+                    decode_steps=decode_steps)
     engine_cfg = (EngineConfig(max_len=max_len, prefill_buckets=tuple(prefill_buckets),
                                **settings)
                   if prefill_buckets else
@@ -320,12 +323,14 @@ class Model:
                top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids=(),
                speculative: str | None = None, timing: bool = False,
                adaptive_drafting: bool = True, logprobs: bool = False,
-               draft_window: DraftWindow | None = None, kv_cache_dtype: str = "auto"
-               ) -> Result:
+               draft_window: DraftWindow | None = None, kv_cache_dtype: str = "auto",
+               decode_steps: int = EngineConfig.decode_steps) -> Result:
     """Decode one prompt; `Result.tokens` and `Result.stats` (MTP counters).
 
     `logprobs`: `Result.logprobs` holds each token's logprob and top MAX_TOP_LOGPROBS.
     `kv_cache_dtype`: the KV cache's values, as `engine.kv_cache_dtype` (`kv_cache_name`).
+    `decode_steps`: decode positions a dispatch computes without drafts (`engine.decode_steps`;
+    the tokens are the same).
 
     With `adaptive_drafting`, MTP pauses while its drafts keep being rejected (see
     `AdaptiveDrafting`); the tokens are the same either way. `draft_window`: drafts per step
@@ -337,7 +342,8 @@ class Model:
     max_len = max(128, pow2_bucket(prompt.size + max_new_tokens + 1))
     engine, drafting = self.drafting_engine(resolution, window, max_len=max_len, timing=timing,
                                             logprobs=MAX_TOP_LOGPROBS if logprobs else 0,
-                                            kv_cache_dtype=kv_cache_dtype)
+                                            kv_cache_dtype=kv_cache_dtype,
+                                            decode_steps=decode_steps)
     request = Request(prompt=prompt, max_new_tokens=int(max_new_tokens),
                       sampler=SamplerParams(temperature, top_k, top_p, seed),
                       stop_ids=frozenset(int(t) for t in stop_ids), logprobs=logprobs)

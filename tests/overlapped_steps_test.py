@@ -1,20 +1,25 @@
 """Overlapped steps: the scheduler launches the next step before handing out the last one's
-tokens when the engine allows it (MTP off, one process).
+tokens when the engine allows it (MTP off, one process); decode bursts (`decode_steps`) compute
+several positions a launch.
 
 The same requests (greedy and sampled, stop ids, a cancel, more requests than slots, a pool of
 pages that makes requests wait) served with steps overlapped and collected one by one give the
 same tokens and finish reasons, and greedy ones equal the argmax of a full forward. The
 recorded calls show the overlap itself, that a request at its token budget is never launched
-again, and that the pool ends with every page free.
+again, and that the pool ends with every page free. Bursts give the same tokens, finish reasons
+and logprobs as single steps, write no row past a request's budget and never run while a
+prompt is being prefilled.
 """
 
 import tempfile
 from pathlib import Path
 
 import numpy as np
-from absl.testing import absltest
+from absl.testing import absltest, parameterized
 
 import mtpjax
+from mtpjax import errors
+from mtpjax.engine.contract import committed_tokens
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.engine.scheduler import Request, SlotScheduler
 from mtpjax.testing.tiny_glm import TinyGlmSpec, write_tiny_glm_gguf
@@ -32,6 +37,7 @@ class RecordingEngine:
     self.engine, self.overlapping = engine, overlapping
     self.events: list[tuple[str, int]] = []       # ("launch" | "collect", step number)
     self.rows: dict[int, int] = {}                # id(request) -> rows launched for it
+    self.bursts: list[tuple[int, bool]] = []      # each launch's (decode_steps, prefilling)
     self.scheduler: SlotScheduler | None = None
 
   def __getattr__(self, name):
@@ -40,9 +46,11 @@ class RecordingEngine:
   def launch(self, state, active, *args, **kwargs):
     number = sum(kind == "launch" for kind, _ in self.events)
     self.events.append(("launch", number))
+    burst = kwargs.get("decode_steps", 1)
+    self.bursts.append((burst, self.scheduler.prefilling is not None))
     for slot in np.flatnonzero(active):
       request = self.scheduler.slots[slot].request
-      self.rows[id(request)] = self.rows.get(id(request), 0) + 1
+      self.rows[id(request)] = self.rows.get(id(request), 0) + burst
     state, pending = self.engine.launch(state, active, *args, **kwargs)
 
     def collect():
@@ -148,6 +156,130 @@ class OverlappedStepsTest(absltest.TestCase):
       wasted = {"length": 0, "stop": 1, "cancelled": 1}[result.finish_reason]
       self.assertBetween(rows - (len(result.tokens) - 1), 0, wasted, f"request {i}")
       self.assertEqual(self.one_by_one.rows[id(request)], len(result.tokens) - 1)
+
+
+BURST = 4
+
+
+class DecodeBurstTest(parameterized.TestCase):
+  """The same requests through an engine of single steps and one of bursts of BURST."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.tmp = tempfile.TemporaryDirectory(prefix="decode_burst_test.")
+    path = write_tiny_glm_gguf(Path(cls.tmp.name) / "tiny.gguf", TinyGlmSpec(seed=3))[0]
+    cls.model = mtpjax.load(str(path))
+    settings = dict(native_mtp=False, slots=SLOTS, max_len=MAX_LEN, prefill_buckets=(16,),
+                    kv_pages=POOL, logprobs=3)
+    cls.single = cls.model.engine(**settings)
+    cls.burst = cls.model.engine(decode_steps=BURST, **settings)
+    rng = np.random.default_rng(11)
+    # The 40-token prompt is prefilled in three chunks, beside the request before it.
+    lengths = [3, 9, 5, 2, 40, 12]
+    prompts = [rng.integers(0, 512, size=n).astype(np.int32) for n in lengths]
+    # Budgets below, at and between bursts, and the context end.
+    budgets = [13, 2, 5, MAX_LEN, 8, 10]
+    cls.requests = [Request(prompt=p, max_new_tokens=b, logprobs=i % 2 == 0,
+                            sampler=SamplerParams(temperature=0.8 * (i % 3 > 0), top_k=20 * (i % 2),
+                                                  seed=i))
+                    for i, (p, b) in enumerate(zip(prompts, budgets))]
+    first, _ = cls.serve(cls.single)
+    tokens = first[0].tokens          # request 0 stops at its 7th token or later
+    j = next(j for j in range(6, len(tokens) - 1) if tokens[j] not in tokens[:j])
+    cls.requests[0].stop_ids = frozenset({tokens[j]})
+    cls.stop_at = j
+    cls.single_results, cls.single_recorded = cls.serve(cls.single)
+    cls.burst_results, cls.burst_recorded = cls.serve(cls.burst)
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.tmp.cleanup()
+    super().tearDownClass()
+
+  @classmethod
+  def serve(cls, engine):
+    recording = RecordingEngine(engine, True)
+    recording.scheduler = SlotScheduler(recording)
+    results = recording.scheduler.run(cls.requests)
+    pages = recording.scheduler.state.pages
+    assert (pages.free_pages, pages.reserved) == (POOL, 0), "pages left held"
+    return results, recording
+
+  def test_bursts_give_the_tokens_of_single_steps(self):
+    reasons = [r.finish_reason for r in self.burst_results]
+    self.assertEqual(reasons, ["stop"] + ["length"] * 5)
+    self.assertLen(self.burst_results[0].tokens, self.stop_at + 1)
+    self.assertLen(self.burst_results[3].tokens, MAX_LEN - len(self.requests[3].prompt))
+    for i, (one, burst) in enumerate(zip(self.single_results, self.burst_results)):
+      self.assertEqual(burst.tokens, one.tokens, f"request {i}")
+      self.assertEqual(burst.finish_reason, one.finish_reason, f"request {i}")
+      if not self.requests[i].logprobs:
+        self.assertIsNone(burst.logprobs)
+        continue
+      self.assertLen(burst.logprobs, len(burst.tokens))
+      for a, b in zip(one.logprobs, burst.logprobs):
+        self.assertEqual((a.token, [t for t, _ in a.top]), (b.token, [t for t, _ in b.top]))
+        np.testing.assert_allclose([b.logprob] + [lp for _, lp in b.top],
+                                   [a.logprob] + [lp for _, lp in a.top], atol=1e-5)
+
+  def test_greedy_bursts_are_a_full_forwards_argmax(self):
+    for i, (request, result) in enumerate(zip(self.requests, self.burst_results)):
+      if request.sampler.temperature:
+        continue
+      sequence = np.concatenate([request.prompt, result.tokens[:-1]])
+      reference = np.argmax(self.model.logits(sequence), axis=-1)[len(request.prompt) - 1:]
+      self.assertEqual(result.tokens, reference.tolist(), f"request {i}")
+
+  def test_bursts_run_but_never_past_a_budget_nor_beside_a_prefill(self):
+    bursts = self.burst_recorded.bursts
+    self.assertGreater(sum(n == BURST for n, _ in bursts), len(bursts) // 3)
+    self.assertTrue(any(prefilling for _, prefilling in bursts), "no step beside a prefill")
+    self.assertEqual({n for n, prefilling in bursts if prefilling}, {1})
+    self.assertEqual({n for n, _ in self.single_recorded.bursts}, {1})
+    for i, (request, result) in enumerate(zip(self.requests, self.burst_results)):
+      rows = self.burst_recorded.rows[id(request)]
+      # A stop is seen when its burst lands: the rest of that burst and the one in flight
+      # are wasted; a request at its budget never is.
+      wasted = 2 * BURST - 1 if result.finish_reason == "stop" else 0
+      self.assertBetween(rows - (len(result.tokens) - 1), 0, wasted, f"request {i}")
+    self.assertEqual(self.burst.trace_counts["burst"], len(self.burst.slot_buckets))
+
+  def test_a_burst_is_its_single_steps(self):
+    prompt = self.requests[1].prompt
+    sampler = SamplerParams(temperature=0.7, seed=5)
+    outputs = []
+    for steps in ([BURST], [1] * BURST):
+      state = self.burst.init_state()
+      state = self.burst.insert(self.burst.prefill(prompt, sampler, state=state), state, 1)
+      active = np.array([False, True])
+      tokens = []
+      for n in steps:
+        state, result, _ = self.burst.step(state, active, decode_steps=n)
+        self.assertEqual(result.shape, (SLOTS, 3 + BURST - 1))
+        tokens += committed_tokens(result[1])
+      outputs.append((tokens, state.positions.tolist()))
+    self.assertEqual(outputs[0], outputs[1])
+    self.assertEqual(outputs[0][1], [0, len(prompt) + BURST])
+
+  @parameterized.parameters(0, 33)
+  def test_a_burst_out_of_range_is_refused(self, steps):
+    with self.assertRaises(errors.MtpjaxError) as caught:
+      self.model.engine(native_mtp=False, max_len=MAX_LEN, prefill_buckets=(16,),
+                        decode_steps=steps)
+    self.assertEqual(caught.exception.field, "engine.decode_steps")
+
+  def test_only_the_engines_burst_is_taken(self):
+    state = self.burst.init_state()
+    with self.assertRaisesRegex(ValueError, "1 or 4 positions"):
+      self.burst.step(state, np.array([True, False]), decode_steps=2)
+    with self.assertRaisesRegex(ValueError, "one position"):
+      self.single.step(self.single.init_state(), np.array([True, False]), decode_steps=BURST)
+
+  def test_a_drafting_engine_decodes_one_position_a_dispatch(self):
+    drafting = self.model.engine(native_mtp=True, slots=SLOTS, max_len=MAX_LEN,
+                                 prefill_buckets=(16,), decode_steps=BURST)
+    self.assertEqual((drafting.decode_burst, self.burst.decode_burst), (1, BURST))
 
 
 if __name__ == "__main__":

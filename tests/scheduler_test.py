@@ -408,10 +408,15 @@ class SlowStepEngine:
   def overlapping(self):
     return self.engine.overlapping
 
-  def launch(self, state, active, drafting, *, drafts=None, logprobs=False):
+  @property
+  def decode_burst(self):
+    return self.engine.decode_burst
+
+  def launch(self, state, active, drafting, *, drafts=None, logprobs=False, decode_steps=1):
     if bool(np.asarray(drafting)[np.asarray(active)].any()) == self.slow_drafting:
       time.sleep(self.delay)
-    return self.engine.launch(state, active, drafting, drafts=drafts, logprobs=logprobs)
+    return self.engine.launch(state, active, drafting, drafts=drafts, logprobs=logprobs,
+                              decode_steps=decode_steps)
 
   def free(self, state, slot):
     return self.engine.free(state, slot)

@@ -2,9 +2,9 @@
 
 Each round runs llama.cpp's `llama-bench` (`tg128` and `pp512`, at each --threads value) and
 then mtpjax (MTP off, batch 1, greedy unless --temperature is set: the mean decode step over
---decode_tokens tokens, and one prefill of a --prefill_tokens bucket) in each --activations
-mode, so that drift of this shared machine hits every side alike. mtpjax runs on XLA's CPU
-client with its default threads (every core).
+--decode_tokens tokens at each --decode_steps burst, and one prefill of a --prefill_tokens
+bucket) in each --activations mode, so that drift of this shared machine hits every side
+alike. mtpjax runs on XLA's CPU client with its default threads (every core).
 
 Reported beside the ratios: the weight bytes each side reads per decoded token. mtpjax: the
 parameter bytes of a plain decode step (`models/traffic.py`: routed experts counted at top-k of
@@ -56,13 +56,17 @@ _ACTIVATIONS = flags.DEFINE_list(
     "int8 (mtpjax.load's default: rows rounded to int8 per block and multiplied as integers, "
     "as llama.cpp does)")
 
+_DECODE_STEPS = flags.DEFINE_list(
+    "decode_steps", ["1", "4"],
+    "mtpjax's decode bursts (engine.decode_steps: positions one dispatch decodes), each "
+    "measured in every round; rates of a burst k > 1 are reported as decode_<mode>_burst<k>")
 _KV_CACHE_DTYPE = flags.DEFINE_enum(
     "kv_cache_dtype", "float16", list(KV_CACHE_DTYPES),
     "mtpjax's KV cache values (engine.kv_cache_dtype); float16 is llama-bench's default cache")
 
 _REPORTED_FLAGS = (_GGUF, _LLAMA_BENCH, _THREADS, _ROUNDS, _LLAMA_REPS, _DECODE_TOKENS,
-                   _PREFILL_TOKENS, _DTYPE, _WEIGHTS, _ACTIVATIONS, _KV_CACHE_DTYPE, _SEED,
-                   _TEMPERATURE, _TOP_P)
+                   _PREFILL_TOKENS, _DTYPE, _WEIGHTS, _ACTIVATIONS, _DECODE_STEPS,
+                   _KV_CACHE_DTYPE, _SEED, _TEMPERATURE, _TOP_P)
 
 
 def _load(source: str, activations: str):
@@ -72,13 +76,18 @@ def _load(source: str, activations: str):
                      int8_activations=activations == "int8")
 
 
-def _mtpjax_round(engine, decode_request: Request, prefill_request: Request) -> tuple[float, float]:
-  """(decode tokens/s, prefill tokens/s) of one round."""
-  results, _ = _timed_run(engine, [decode_request], None)
-  decode = 1e3 / _step_ms(results)
-  results, _ = _timed_run(engine, [prefill_request], None)
-  prefill = prefill_request.prompt.size / results[0].time_to_first_token_s
-  return decode, prefill
+def _decode_rate(engine, request: Request) -> float:
+  """Decode tokens/s of one request."""
+  return 1e3 / _step_ms(_timed_run(engine, [request], None)[0])
+
+
+def _prefill_rate(engine, request: Request) -> float:
+  """Prefill tokens/s of one request."""
+  return request.prompt.size / _timed_run(engine, [request], None)[0][0].time_to_first_token_s
+
+
+def _decode_name(mode: str, steps: int) -> str:
+  return f"decode_{mode}" if steps == 1 else f"decode_{mode}_burst{steps}"
 
 
 def main(argv):
@@ -100,20 +109,24 @@ def main(argv):
     decode_prompt = rng.integers(0, vocab, 8).astype(np.int32)
     # llama-bench samples nothing; --temperature / --top_p price mtpjax's sampler beside it.
     sampler = SamplerParams(_TEMPERATURE.value, 0, _TOP_P.value, seed=_SEED.value)
-    engines = {}
+    engines = {}      # (mode, decode steps) -> engine
+    bursts = list(dict.fromkeys(int(k) for k in _DECODE_STEPS.value))
     for mode, loaded in models.items():
-      engines[mode] = loaded.engine(
-          native_mtp=False, slots=1,
-          max_len=max(_PREFILL_TOKENS.value, 8 + _DECODE_TOKENS.value + 1),
-          prefill_buckets=(pow2_bucket(9), _PREFILL_TOKENS.value),
-          kv_cache_dtype=_KV_CACHE_DTYPE.value)
-      warm_up(engines[mode])
+      for steps in bursts:
+        engines[mode, steps] = loaded.engine(
+            native_mtp=False, slots=1,
+            max_len=max(_PREFILL_TOKENS.value, 8 + _DECODE_TOKENS.value + 1),
+            prefill_buckets=(pow2_bucket(9), _PREFILL_TOKENS.value),
+            kv_cache_dtype=_KV_CACHE_DTYPE.value, decode_steps=steps)
+        warm_up(engines[mode, steps])
     load_s = time.perf_counter() - start
     decode_request = Request(prompt=decode_prompt, max_new_tokens=_DECODE_TOKENS.value + 1,
                              sampler=sampler)
     prefill_request = Request(prompt=prefill_prompt, max_new_tokens=1, sampler=sampler)
-    for engine in engines.values():
-      _mtpjax_round(engine, decode_request, prefill_request)   # untimed: device caches
+    for (mode, steps), engine in engines.items():   # untimed: device caches
+      _decode_rate(engine, decode_request)
+      if steps == bursts[0]:
+        _prefill_rate(engine, prefill_request)
     llama: dict[tuple[str, int], list[float]] = {}
     ours: dict[str, list[float]] = {}
     for _ in range(_ROUNDS.value):
@@ -122,10 +135,11 @@ def main(argv):
                                          _PREFILL_TOKENS.value, _DECODE_TOKENS.value,
                                          _LLAMA_REPS.value).items():
           llama.setdefault(key, []).append(rate)
-      for mode, engine in engines.items():
-        decode, prefill = _mtpjax_round(engine, decode_request, prefill_request)
-        ours.setdefault(f"decode_{mode}", []).append(decode)
-        ours.setdefault(f"prefill_{mode}", []).append(prefill)
+      for (mode, steps), engine in engines.items():
+        ours.setdefault(_decode_name(mode, steps), []).append(
+            _decode_rate(engine, decode_request))
+        if steps == bursts[0]:   # a prefill is the same at every burst
+          ours.setdefault(f"prefill_{mode}", []).append(_prefill_rate(engine, prefill_request))
     llama_bytes = gguf_bytes_per_token(gguf_path)
 
   mean = lambda xs: float(np.mean(xs))

@@ -20,15 +20,19 @@ from mtpjax.engine.sampling import SamplerParams
 from mtpjax.models import kv_cache
 from mtpjax.models.config import ModelConfig
 
-# ResultTokens columns: one int32 [B, 3 + draft_tokens] array per step means one device->host
-# copy. The first two committed tokens, their count and the accepted drafts; a window of k
-# drafts commits up to k + 1 tokens, the third one on in the columns after ACCEPTED. An engine
+# ResultTokens columns: one int32 [B, result_width] array per step means one device->host copy.
+# The first two committed tokens, their count and the accepted drafts; a window of k drafts
+# commits up to k + 1 tokens and a decode burst `decode_steps`, the third one on in the columns
+# after ACCEPTED. An engine
 # whose host extends native MTP's drafts (`EngineConfig.mtp_chain_columns`) appends the slot's
 # next MTP chain, draft_tokens more columns.
 TOKEN_A, TOKEN_B, COUNT, ACCEPTED = range(4)
 # Prompt buckets of an engine built without explicit ones (those that fit its cache are kept).
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")   # `EngineConfig.kv_cache_dtype`
+# The longest decode burst (`EngineConfig.decode_steps`): past a few steps a dispatch's cost is
+# already amortized, and a burst delays admitting a waiting request by its length.
+MAX_DECODE_STEPS = 32
 
 
 def check_kv_cache_dtype(name: str) -> None:
@@ -83,6 +87,7 @@ class EngineConfig:
   kv_page: int = 16                        # trunk cache rows per page (a power of two)
   kv_pages: int = 0                        # pages per layer's pool (0: every slot at max_len)
   kv_cache_dtype: str = "auto"             # attention caches' values (auto: the activations')
+  decode_steps: int = 1                    # decode positions a burst computes in one dispatch
 
   @classmethod
   def with_default_buckets(cls, *, max_len: int, **kwargs) -> "EngineConfig":
@@ -162,9 +167,9 @@ class EngineConfig:
 
   @property
   def result_width(self) -> int:
-    """ResultTokens columns: TOKEN_A, TOKEN_B, COUNT, ACCEPTED, then tokens 3 .. k + 1 (and
-    the MTP chain, `mtp_chain_columns`)."""
-    width = 3 + max(self.draft_tokens, 1)
+    """ResultTokens columns: TOKEN_A, TOKEN_B, COUNT, ACCEPTED, then tokens 3 .. k + 1 of a
+    window of k drafts or of a decode burst (and the MTP chain, `mtp_chain_columns`)."""
+    width = 3 + max(self.draft_tokens, self.decode_steps - 1, 1)
     return width + self.draft_tokens if self.mtp_chain_columns else width
 
   def prefill_chunks(self, prompt, start: int = 0
@@ -221,6 +226,11 @@ class EngineConfig:
       raise errors.SpeculativeConfigError(
           f"draft_tokens must be in 1..{MAX_DRAFT_TOKENS}, got {self.draft_tokens}",
           field="speculative.max_draft_tokens", remedy=f"choose 1..{MAX_DRAFT_TOKENS}")
+    if not 1 <= self.decode_steps <= MAX_DECODE_STEPS:
+      raise errors.MtpjaxError(
+          f"engine.decode_steps must be in 1..{MAX_DECODE_STEPS}, got {self.decode_steps}",
+          field="engine.decode_steps",
+          remedy="choose 1 (a dispatch a token) or a few (4-8: one dispatch for that many)")
     if self.native_mtp and not cfg.has_mtp:
       raise errors.SpeculativeConfigError(
           "native MTP requested but the model has no NextN block", field="native_mtp",
@@ -264,9 +274,15 @@ class DecodeEngine(Protocol):
   slots use their drafts (bool) or how many (int, each slot's window), and `catch_up` brings
   paused slots' MTP caches up to date. With `host_drafts`, `drafts` [slots, draft_tokens] are
   the host's proposals (a composite's starts with the MTP chain the last result returned).
+  `decode_steps` (1 or `decode_burst`): a step that verifies no drafts decodes that many
+  positions of every active slot in one dispatch, each sampled as its own step would be, and
+  commits them all (the host drops those past a stop).
   """
   engine_cfg: EngineConfig
   trace_counts: dict[str, int]
+  # The decode positions one dispatch can compute a slot (`EngineConfig.decode_steps` where
+  # the engine runs bursts, else 1).
+  decode_burst: int
 
   def warm_up_schedule(self) -> list[np.ndarray]:
     """Active-slot masks whose steps compile every step shape this engine can run."""
@@ -296,14 +312,15 @@ class DecodeEngine(Protocol):
     inputs; steps over detached slots alone are steps with MTP off)."""
 
   def step(self, state: Any, active: np.ndarray, drafting: np.ndarray | None = None, *,
-           drafts: np.ndarray | None = None,
-           logprobs: bool = False) -> tuple[Any, np.ndarray, dict]: ...
+           drafts: np.ndarray | None = None, logprobs: bool = False,
+           decode_steps: int = 1) -> tuple[Any, np.ndarray, dict]: ...
 
   # Whether `launch` may start a step before the last one is collected.
   overlapping: bool
 
   def launch(self, state: Any, active: np.ndarray, drafting: np.ndarray | None = None, *,
-             drafts: np.ndarray | None = None, logprobs: bool = False) -> tuple[Any, Any]:
+             drafts: np.ndarray | None = None, logprobs: bool = False,
+             decode_steps: int = 1) -> tuple[Any, Any]:
     """`step` without waiting: (state, a pending step whose `collect()` returns what `step`
     returns beside the state)."""
 
@@ -333,7 +350,8 @@ def warm_up(engine: DecodeEngine) -> None:
   state = engine.free(state, 0)
   for reach in engine.warm_up_schedule():
     if not ec.drafts:
-      state, _, _ = engine.step(state, reach)
+      for burst in sorted({1, engine.decode_burst}):
+        state, _, _ = engine.step(state, reach, decode_steps=burst)
     else:
       for window in ec.window_buckets + (0,):    # every window bucket, then a plain step
         state, _, _ = engine.step(state, reach, np.full(ec.slots, window, np.int32),

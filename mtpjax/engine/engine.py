@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from mtpjax import errors
@@ -118,6 +119,16 @@ class Engine:
                     for k in engine_cfg.window_buckets}
     self._draft = jit("draft", self._draft_fn, ("head",))
     self._catch_up = jit("catch_up", self._catch_up_fn, ("head",))
+    # Decode bursts run on one stage in this process, between steps that verify no drafts.
+    single = self.overlapping and self.last == 0
+    self.decode_burst = engine_cfg.decode_steps if single else 1
+    if engine_cfg.decode_steps > 1 and not single:
+      logging.info("engine.decode_steps %d: a %s decodes one position a dispatch",
+                   engine_cfg.decode_steps,
+                   "drafting engine" if engine_cfg.drafts else "pipeline")
+    self._burst = (jit("burst", functools.partial(_decode_rows(self._burst_fn),
+                                                  count=self.decode_burst), ("kv", "head"))
+                   if self.decode_burst > 1 else None)
 
   def _model(self, s: int, leaves):
     return nnx.merge(self._graphdefs[s], jax.tree.unflatten(self._treedefs[s], leaves))
@@ -394,11 +405,25 @@ class Engine:
       part, result, logprobs = steps.plain_commit(model, part, table, x, active, top_n, want)
     else:
       part, result, logprobs = steps.decode_commit(model, part, x, active, top_n, want)
-    return kv, (head.merge(part), self._with_chain(result, part), logprobs)
+    return kv, (head.merge(part), self._columns(result, part), logprobs)
 
-  def _with_chain(self, result, part: HeadState):
-    """ResultTokens with the slots' next MTP chain appended (`mtp_chain_columns`)."""
-    if not self.engine_cfg.mtp_chain_columns:
+  def _burst_fn(self, leaves, inp, kv, table, head: HeadState, active, drafting, drafts, want,
+                *, count: int):
+    """A decode burst (`steps.decode_burst`) over the first active.shape[0] slots of the single
+    stage: the arguments and outputs of `_step_fn`'s decode step, `count` positions a slot."""
+    del inp, drafting, drafts     # a single stage reads its inputs from the head state
+    kv, part, result, logprobs = steps.decode_burst(
+        self._model(0, leaves), head.first(active.shape[0]), kv, table, active, count,
+        self.engine_cfg.logprobs, want)
+    return kv, (head.merge(part), self._columns(result, part), logprobs)
+
+  def _columns(self, result, part: HeadState):
+    """ResultTokens of `result_width` columns: a step's padded to the longest commit (a window
+    or a burst), then the slots' next MTP chain (`mtp_chain_columns`)."""
+    ec = self.engine_cfg
+    chain = ec.draft_tokens if ec.mtp_chain_columns else 0
+    result = jnp.pad(result, ((0, 0), (0, ec.result_width - chain - result.shape[1])))
+    if not chain:
       return result
     return jnp.concatenate([result, part.slots.draft.astype(result.dtype)], axis=1)
 
@@ -406,7 +431,7 @@ class Engine:
     part, result = steps.draft_commit(self._model(self.last, leaves),
                                       head.first(active.shape[0]).with_drafts(drafts), table,
                                       verified, active, drafting)
-    return head.merge(part), self._with_chain(result, part)
+    return head.merge(part), self._columns(result, part)
 
   def _catch_up_fn(self, leaves, head: HeadState, table, active):
     part = steps.catch_up_commit(self._model(self.last, leaves), head.first(active.shape[0]),
@@ -441,15 +466,16 @@ class Engine:
     return not self.engine_cfg.drafts and isinstance(self.hops, LocalHops)
 
   def step(self, state: EngineState, active: np.ndarray, drafting: np.ndarray | None = None,
-           *, drafts: np.ndarray | None = None, logprobs: bool = False
+           *, drafts: np.ndarray | None = None, logprobs: bool = False, decode_steps: int = 1
            ) -> tuple[EngineState, np.ndarray, dict]:
     """One step for every group: the state, ResultTokens [slots, result_width] and an info
     dict (timings in us, and logprobs; see `DecodeEngine`): `launch`, then its `collect`."""
-    state, pending = self.launch(state, active, drafting, drafts=drafts, logprobs=logprobs)
+    state, pending = self.launch(state, active, drafting, drafts=drafts, logprobs=logprobs,
+                                 decode_steps=decode_steps)
     return (state, *pending.collect())
 
   def launch(self, state: EngineState, active: np.ndarray, drafting: np.ndarray | None = None,
-             *, drafts: np.ndarray | None = None, logprobs: bool = False
+             *, drafts: np.ndarray | None = None, logprobs: bool = False, decode_steps: int = 1
              ) -> tuple[EngineState, "PendingStep"]:
     """Start one step for every group: (state, its `PendingStep`). An `overlapping` engine may
     launch the next step before collecting this one: positions advance here and a step reads
@@ -464,7 +490,9 @@ class Engine:
     without the MTP block, and the next drafting step first catches the MTP KV up
     (`catch_up`). `drafts` [B, draft_tokens]: the host's drafts (an engine with `host_drafts`
     needs them; a composite's start with the MTP chain). `logprobs`: some live request wants
-    the committed rows' logprobs.
+    the committed rows' logprobs. `decode_steps` (1 or `decode_burst`): decode positions a
+    slot this dispatch computes and commits (`steps.decode_burst`); the caller makes sure
+    every active slot may take them all (rows past a stop are dropped by the host).
     """
     want = self._traced_flag(logprobs)
     # Host arrays go to the compiled steps as they are: jit's own transfer is far cheaper than
@@ -473,6 +501,10 @@ class Engine:
     ec = self.engine_cfg
     if ec.host_drafts != (drafts is not None):
       raise ValueError("an engine with host_drafts takes drafts at every step, and only it")
+    if decode_steps not in (1, self.decode_burst):
+      can = (f"1 or {self.decode_burst} positions" if self.decode_burst > 1 else
+             "one position")
+      raise ValueError(f"decode_steps {decode_steps}: this engine decodes {can} a dispatch")
     kind, depth = "decode", 0
     if ec.drafts:
       drafting = ec.windows(drafting)
@@ -486,11 +518,12 @@ class Engine:
       drafts = np.asarray(drafts, np.int32).reshape(ec.slots, ec.draft_tokens)
     if kind == "verify_draft":
       state = self.catch_up(state, active & ~state.detached)
-    tokens = depth + 1
+    tokens = depth + 1 if depth else decode_steps
     ahead = steps.mtp_rows_ahead(depth) if ec.native_mtp else 0
     for slot in np.flatnonzero(active):     # pages for every row this step may write
       state.pages.grow_slot(slot, int(state.positions[slot]) + tokens, ahead)
-    step_fns = self._draft_steps[depth] if depth else self._steps[kind]
+    step_fns = (self._draft_steps[depth] if depth else
+                [self._burst] if decode_steps > 1 else self._steps[kind])
     info: dict = {}
     results, rows = [], []
     for (lo, hi), group in zip(self.bounds, state.groups):
@@ -530,9 +563,9 @@ class Engine:
         rows.append(committed)
     if kind == "plain":
       state.mtp_lag = [lag + active[lo:hi] for lag, (lo, hi) in zip(state.mtp_lag, self.bounds)]
-    one_row = kind in ("decode", "plain")      # every active slot commits exactly one token
-    if one_row:
-      state.positions += active
+    fixed = kind in ("decode", "plain")      # every active slot commits exactly `tokens`
+    if fixed:
+      state.positions += active * tokens
 
     def collect() -> tuple[np.ndarray, dict]:
       shared = [self.hops.share(_padded(results[i], hi - lo) if results else None, self.last,
@@ -541,7 +574,7 @@ class Engine:
       if self._wants(logprobs):
         info["logprobs"] = self._shared_logprobs(rows, self.bounds, tokens)
       result = np.concatenate([np.asarray(r) for r in shared])
-      if not one_row:
+      if not fixed:
         state.positions += np.where(active, result[:, COUNT], 0)
       return result, info
     return state, PendingStep(collect)

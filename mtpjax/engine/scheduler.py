@@ -95,14 +95,14 @@ class _Live:
   verified_at: list = dataclasses.field(default_factory=list)
   accepted_at: list = dataclasses.field(default_factory=list)
   detached: bool = False          # it never drafts again (`Engine.detach`)
-  launched: int = 0               # steps launched over it and not yet landed
+  launched: int = 0               # tokens of steps launched over it and not yet landed
 
   @property
   def drafting(self) -> bool:
     return self.paused_steps == 0
 
   def tokens_left(self, max_len: int) -> int:
-    """The most steps it can still take: its token budget or the context, whichever ends
+    """The most tokens it can still take: its token budget or the context, whichever ends
     first."""
     return min(self.request.max_new_tokens - len(self.tokens),
                max_len - len(self.request.prompt) - len(self.tokens))
@@ -122,12 +122,14 @@ def _token_logprobs(request: Request, rows, slot: int,
 @dataclasses.dataclass(frozen=True)
 class _Launched:
   """A step in flight: the engine's pending step, the live request of each slot it computes
-  (None: not computed), their draft windows, whether any drafted and when it started."""
+  (None: not computed), their draft windows, whether any drafted, when it started and the
+  decode positions it computes a slot (a burst's, else 1)."""
   pending: object
   slots: list
   windows: list[int]
   drafted: bool
   started: float
+  decode_steps: int = 1
 
 
 @dataclasses.dataclass
@@ -358,9 +360,9 @@ class SlotScheduler:
     """Admit waiting requests, then advance every live slot by one engine step. On an engine
     that overlaps steps (`DecodeEngine.overlapping`) the step is launched before the last
     one's tokens are handed out, so the host's work on them runs while the device computes:
-    a request that stopped in the last step (a stop id, a cancel) costs the launched step one
-    wasted row, whose tokens are dropped; one at its token budget or context end is left
-    out."""
+    a request that stopped in the last step (a stop id, a cancel) costs the launched step its
+    wasted rows (one, or a decode burst's), whose tokens are dropped; one at its token budget
+    or context end is left out."""
     self._admit()
     launched = self._launch()
     if self.in_flight is not None:
@@ -400,12 +402,27 @@ class SlotScheduler:
       drafts, windows = self._host_drafts(windows)
       drafted = any(windows)
     self.window_in_use = sum(windows) / sum(occupied)
+    burst = self._burst(due, max_len)
     self.state, pending = self.engine.launch(
-        self.state, active, np.array(windows, np.int32), drafts=drafts, logprobs=wants)
+        self.state, active, np.array(windows, np.int32), drafts=drafts, logprobs=wants,
+        decode_steps=burst)
     for live in due:
       if live is not None:
-        live.launched += 1
-    return _Launched(pending, due, windows, drafted, started)
+        live.launched += burst
+    return _Launched(pending, due, windows, drafted, started, burst)
+
+  def _burst(self, due: list, max_len: int) -> int:
+    """The decode positions this step computes a slot: the engine's burst while no prompt is
+    being prefilled or waits beside a free slot (for pages), whose first token a burst would
+    delay, and every slot it computes has that many tokens left beyond those in flight (a
+    request's last few run one at a time, so no row is written past its pages), else 1."""
+    burst = self.engine.decode_burst
+    if (burst > 1 and self.prefilling is None
+        and not (self.waiting and None in self.slots)
+        and all(live is None or live.tokens_left(max_len) - live.launched >= burst
+                for live in due)):
+      return burst
+    return 1
 
   def _land(self, step: "_Launched") -> None:
     """Hand out a launched step's tokens to the slots it computed whose requests still run."""
@@ -413,12 +430,12 @@ class SlotScheduler:
     for index, (live, row) in enumerate(zip(step.slots, result.tolist())):
       if live is None:
         continue
-      live.launched -= 1
+      live.launched -= step.decode_steps
       if self.slots[index] is not live:
         continue            # it stopped in an earlier step: this row is past its end
       count = row[COUNT]
       c = live.counts
-      c["target_passes"] += 1
+      c["target_passes"] += step.decode_steps
       c["committed_tokens"] += count
       tokens = committed_tokens(row)
       if self.speculating:

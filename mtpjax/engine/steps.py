@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtpjax.engine.contract import EngineConfig
+from mtpjax.engine.contract import TOKEN_A, EngineConfig
 from mtpjax.engine.sampling import greedy_tokens, sample, token_logprobs
 from mtpjax.engine.state import CATCH_UP_ROWS, HeadState, MtpPages, Slots
 from mtpjax.models import registry
@@ -198,6 +198,30 @@ def decode_commit(model: CausalLM, head: HeadState, hidden, active, top_n: int =
                     current=jnp.where(active, token, s.current), h_prev=hidden[:, 0])
   return (head.replace(slots=slots), result,
           committed_logprobs(logits[:, None], token[:, None], top_n, want))
+
+
+def decode_burst(model: CausalLM, head: HeadState, kv, table, active, count: int, top_n: int = 0,
+                 want=False) -> tuple[list, HeadState, jax.Array, tuple | None]:
+  """`count` plain decode steps of a single-stage model in one program (a decode burst,
+  `EngineConfig.decode_steps`): each step feeds the token the last one sampled, at the next
+  position with that position's key, so the tokens are those of `count` separate steps; only
+  the host's dispatch is paid once. `kv`: the trunk's page pools, `table` the slots' pages for
+  all `count` rows. Returns (kv, head, ResultTokens [B, 3 + count - 1] committing all `count`,
+  and with `top_n` each row's logprobs [B, count, ...])."""
+  def one_step(carry, _):
+    kv, head = carry
+    s = head.slots
+    x, kv, _ = stage_forward(model, *step_inputs(s.current, s.draft, s.pos, 0), kv, table)
+    head, result, logprobs = decode_commit(model, head, x, active, top_n, want)
+    return (kv, head), (result[:, TOKEN_A], logprobs)
+
+  (kv, head), (tokens, logprobs) = jax.lax.scan(one_step, (kv, head), length=count)
+  batch = tokens.shape[1]
+  result = result_rows(tokens.T, jnp.full((batch,), count, jnp.int32),
+                       jnp.zeros((batch,), jnp.int32), count - 1)
+  if logprobs is not None:      # [count, B, 1, ...] per field -> [B, count, ...]
+    logprobs = tuple(jnp.moveaxis(a[:, :, 0], 0, 1) for a in logprobs)
+  return kv, head, result, logprobs
 
 
 def verify_tokens(model: CausalLM, head: HeadState, hidden, top_n: int = 0, want=False

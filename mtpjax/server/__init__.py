@@ -94,7 +94,7 @@ def build_service(config) -> Service:
       prefill_buckets=settings.prefill_buckets, timing=settings.timing,
       logprobs=int(engine_cfg.logprobs), prefix_cache=int(engine_cfg.prefix_cache),
       kv_page=int(engine_cfg.kv_page), kv_pages=int(engine_cfg.kv_pages),
-      kv_cache_dtype=str(engine_cfg.kv_cache_dtype))
+      kv_cache_dtype=str(engine_cfg.kv_cache_dtype), decode_steps=int(engine_cfg.decode_steps))
   tokenizer = GgufTokenizer.from_metadata(model.metadata, path=source)
   chat_template = BudgetedChatTemplate.from_metadata(
       model.metadata, path=source,
