@@ -18,7 +18,7 @@ import mtpjax
 from mtpjax import errors
 from mtpjax.draft_window import DraftWindow
 from mtpjax.engine.contract import warm_up
-from mtpjax.engine import scheduler as scheduler_lib
+from mtpjax.engine import requests as requests_lib
 from mtpjax.engine.drafting_policy import AdaptiveDrafting, DraftingCost
 from mtpjax.engine.scheduler import Request, SlotScheduler
 from mtpjax.engine.sampling import SamplerParams
@@ -280,9 +280,9 @@ class SlotPauseTest(absltest.TestCase):
     policy = AdaptiveDrafting(window=2, min_accept_rate=0.5, cooldown=3, max_backoff=4,
                               cost_aware=False)
     scheduler = SlotScheduler(engine(True), adaptive=policy)
-    live = scheduler_lib._Live(request=Request(prompt=np.ones(1, np.int32), max_new_tokens=1),
-                               done=lambda r: None, started=0.0, verified_at=[0],
-                               accepted_at=[0])
+    live = requests_lib.LiveRequest(
+        request=Request(prompt=np.ones(1, np.int32), max_new_tokens=1), done=lambda r: None,
+        started=0.0, verified_at=[0], accepted_at=[0])
     pauses = []
     outcomes = [False] * 8 + [True, True, False, False]
     for accepted in outcomes:
@@ -303,9 +303,9 @@ class DraftWindowPolicyTest(absltest.TestCase):
   def test_a_window_grows_after_full_accepts_and_shrinks_after_a_first_rejection(self):
     scheduler = SlotScheduler(engine(True), adaptive=None)
     scheduler.window = DraftWindow(1, 2, 4, adaptive=True)   # bounds only: no step runs
-    live = scheduler_lib._Live(request=Request(prompt=np.ones(1, np.int32), max_new_tokens=1),
-                               done=lambda r: None, started=0.0, window=2,
-                               verified_at=[0] * 4, accepted_at=[0] * 4)
+    live = requests_lib.LiveRequest(
+        request=Request(prompt=np.ones(1, np.int32), max_new_tokens=1), done=lambda r: None,
+        started=0.0, window=2, verified_at=[0] * 4, accepted_at=[0] * 4)
     windows = []
     for accepted in (2, 3, 4, 4, 0, 1, 0, 0, 0):
       scheduler._account_draft(live, live.window, min(accepted, live.window), {})

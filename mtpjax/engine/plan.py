@@ -77,6 +77,11 @@ def group_bounds(slots: int, groups: int) -> list[tuple[int, int]]:
   return planning.even_split(slots, min(slots, groups))
 
 
+def int_like(*shape) -> jax.ShapeDtypeStruct:
+  """An int32 array's shape, as a hop or a share is told to expect it."""
+  return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+
 def selection_like(layout: StageLayout, cfg: ModelConfig, batch: int, tokens: int,
                    cache_len: int) -> jax.ShapeDtypeStruct | None:
   """The glm-dsa row selection [B, T, cache_len] that hops into a stage with `layout` beside

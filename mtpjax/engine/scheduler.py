@@ -3,7 +3,8 @@
 A request joins as soon as a slot is free (prefill, then insert), every step advances all
 slots at once, and a finished request frees its slot for the next. Each request's tokens are
 those it would get alone: sampling is keyed by (request seed, position), never by slot or
-schedule. Streaming consumers get each request's tokens through `on_tokens`.
+schedule. Streaming consumers get each request's tokens through `on_tokens`. What a request is
+and gets back, and the record of a live one, are `requests.py`.
 
 Before each step the scheduler decides every slot's draft window (the drafting policy,
 `drafting_policy.py`) and, with host drafting, asks each request's drafter for the tokens the
@@ -22,101 +23,15 @@ import numpy as np
 
 from mtpjax import errors
 from mtpjax.draft_window import DraftWindow
-from mtpjax.engine.composite import CompositeDraft, NgramDrafter
+from mtpjax.engine.composite import NgramDrafter
 from mtpjax.engine.contract import (ACCEPTED, COUNT, DecodeEngine, committed_tokens, mtp_chain,
                                    slot_buckets)
 from mtpjax.engine.drafting_policy import AdaptiveDrafting, DraftingCost
-from mtpjax.engine.sampling import SamplerParams
+# Request, RequestFailed, Result and TokenLogprob are imported from here by the server, the
+# API and the tools: the scheduler is where requests go in and results come out.
+from mtpjax.engine.requests import (LiveRequest, Request, RequestFailed, Result, TokenLogprob,
+                                    token_logprobs)
 from mtpjax.telemetry import MtpStats
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenLogprob:
-  """One committed token's log-probability under the target's raw distribution, and the
-  engine's top-n alternatives (`EngineConfig.logprobs`), most likely first."""
-  token: int
-  logprob: float
-  top: tuple[tuple[int, float], ...]
-
-
-@dataclasses.dataclass
-class Request:
-  prompt: np.ndarray
-  max_new_tokens: int
-  sampler: SamplerParams = SamplerParams()
-  stop_ids: frozenset[int] = frozenset()
-  on_tokens: Callable[[list[int]], None] | None = None   # called with each batch of new tokens
-  cancelled: Callable[[], bool] | None = None            # polled every step (client gone)
-  logprobs: bool = False                                 # needs an engine with logprobs > 0
-  # With `logprobs`: called with each batch's TokenLogprobs just before `on_tokens`.
-  on_logprobs: Callable[[list[TokenLogprob]], None] | None = None
-
-
-class RequestFailed(Exception):
-  """Admitting one request raised (its prefill); the decode state and other slots are as
-  before, so only this request fails."""
-
-  def __init__(self, request: Request, error: Exception):
-    super().__init__(f"{type(error).__name__}: {error}")
-    self.request = request
-    self.error = error
-
-
-@dataclasses.dataclass
-class Result:
-  tokens: list[int]
-  finish_reason: str               # "stop" | "length" | "cancelled"
-  stats: MtpStats
-  prompt_tokens: int
-  time_to_first_token_s: float
-  total_time_s: float
-  logprobs: list[TokenLogprob] | None = None      # one per token, when the request asked
-  cached_tokens: int = 0           # prompt tokens taken from the prefix cache, not prefilled
-
-
-@dataclasses.dataclass
-class _Live:
-  request: Request
-  done: Callable[[Result], None]
-  started: float
-  tokens: list[int] = dataclasses.field(default_factory=list)
-  logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
-  counts: dict = dataclasses.field(default_factory=lambda: collections.Counter())
-  first_token_s: float = 0.0
-  cached_tokens: int = 0
-  recent: collections.deque = dataclasses.field(default_factory=collections.deque)
-  paused_steps: int = 0           # steps left without drafting
-  backoff: int = 1                # the next pause is cooldown x backoff steps
-  window: int = 1                 # native MTP drafts this slot asks for (DraftWindow bounds)
-  ngram: NgramDrafter | None = None       # the request's host drafting (n-gram, composite)
-  mtp_chain: list = dataclasses.field(default_factory=list)   # its next MTP chain (composite)
-  proposed: CompositeDraft | None = None  # the host draft this step verifies
-  # Per draft position: windows that included it, and how often it was accepted.
-  verified_at: list = dataclasses.field(default_factory=list)
-  accepted_at: list = dataclasses.field(default_factory=list)
-  detached: bool = False          # it never drafts again (`Engine.detach`)
-  launched: int = 0               # tokens of steps launched over it and not yet landed
-
-  @property
-  def drafting(self) -> bool:
-    return self.paused_steps == 0
-
-  def tokens_left(self, max_len: int) -> int:
-    """The most tokens it can still take: its token budget or the context, whichever ends
-    first."""
-    return min(self.request.max_new_tokens - len(self.tokens),
-               max_len - len(self.request.prompt) - len(self.tokens))
-
-
-def _token_logprobs(request: Request, rows, slot: int,
-                    tokens: list[int]) -> list[TokenLogprob] | None:
-  """A slot's committed `tokens` (one per row) with the logprobs a prefill or step returned
-  (`DecodeEngine`); None when the request asked for none."""
-  if not request.logprobs:
-    return None
-  chosen, top_ids, top_lps = (a[slot].tolist() for a in rows)
-  return [TokenLogprob(token, chosen[r], tuple(zip(top_ids[r], top_lps[r])))
-          for r, token in enumerate(tokens)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +92,7 @@ class SlotScheduler:
     self.bucket = self._buckets[-1]     # the slot bucket of the step being decided
     self._plain_steps = 0           # plain steps since the last drafting step (rows to catch up)
     self.state = engine.init_state()
-    self.slots: list[_Live | None] = [None] * engine.engine_cfg.slots
+    self.slots: list[LiveRequest | None] = [None] * engine.engine_cfg.slots
     self.waiting: collections.deque[tuple[Request, Callable[[Result], None]]] = (
         collections.deque())
     self.occupancy_samples: list[float] = []
@@ -288,7 +203,7 @@ class SlotScheduler:
     index = pending.slot
     self.state = self.engine.insert(prefix, self.state, index)
     positions = self.engine.engine_cfg.draft_tokens if self.drafter else self.window.max
-    live = _Live(request=request, done=pending.done, started=pending.started,
+    live = LiveRequest(request=request, done=pending.done, started=pending.started,
                  window=self.window.initial, verified_at=[0] * positions,
                  accepted_at=[0] * positions, cached_tokens=pending.job.cached,
                  detached=self.native_mtp and not pending.job.nextn)
@@ -302,7 +217,7 @@ class SlotScheduler:
         live.mtp_chain = np.asarray(prefix.mtp_chain)[0].tolist()
     live.first_token_s = time.perf_counter() - pending.started
     self.slots[index] = live
-    self._emit(index, [first], _token_logprobs(request, prefix.logprobs, 0, [first]))
+    self._emit(index, [first], token_logprobs(request, prefix.logprobs, 0, [first]))
     return True
 
   def _emit(self, index: int, tokens: list[int],
@@ -442,7 +357,7 @@ class SlotScheduler:
         self._account_draft(live, step.windows[index], row[ACCEPTED], info)
       if live.ngram is not None:
         self._host_verified(live, row, tokens)
-      self._emit(index, tokens, _token_logprobs(live.request, info.get("logprobs"), index,
+      self._emit(index, tokens, token_logprobs(live.request, info.get("logprobs"), index,
                                                 tokens))
     if self.speculating:   # the step's wall time, with the host's per-step work
       drafted = step.drafted
@@ -476,7 +391,7 @@ class SlotScheduler:
         drafts[index, :windows[index]] = proposed.tokens
     return drafts, windows
 
-  def _host_verified(self, live: _Live, row: list[int], tokens: list[int]) -> None:
+  def _host_verified(self, live: LiveRequest, row: list[int], tokens: list[int]) -> None:
     """Feed a step's outcome to the request's drafter: what it accepted of the host draft and
     the tokens committed, and (a composite) the next MTP chain. The host's time drafting counts
     as the request's proposal compute."""
@@ -505,7 +420,7 @@ class SlotScheduler:
         live.detached = True
         self.state = self.engine.detach(self.state, index)
 
-  def _drafts(self, live: _Live) -> bool:
+  def _drafts(self, live: LiveRequest) -> bool:
     """Whether a slot uses its draft at the next step (neither it nor the batch is paused, and
     it is not detached)."""
     return live.drafting and not live.detached and self.batch_paused_steps == 0
@@ -548,7 +463,7 @@ class SlotScheduler:
     self.window_cap = cap
     self.cost.reprice_drafting()
 
-  def _account_draft(self, live: _Live, window: int, accepted: int, info: dict) -> None:
+  def _account_draft(self, live: LiveRequest, window: int, accepted: int, info: dict) -> None:
     """Count a verified window of drafts (`window` 0: none) and apply the adaptive policy to
     the slot. A paused slot's pause counts down every step; drafts it verified meanwhile count
     in the statistics but not towards its own accept-rate window or its draft window."""
@@ -587,7 +502,7 @@ class SlotScheduler:
     live.paused_steps, live.backoff = policy.pause(live.backoff)
     live.recent.clear()
 
-  def _adapt_window(self, live: _Live, window: int, accepted: int) -> None:
+  def _adapt_window(self, live: LiveRequest, window: int, accepted: int) -> None:
     """An adaptive window grows by one after a fully accepted window and shrinks by one when
     its first draft is rejected, within the `DraftWindow` bounds."""
     if not self.window.adaptive:
