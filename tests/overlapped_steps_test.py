@@ -59,7 +59,9 @@ class RecordingEngine:
     return state, type(pending)(collect)
 
 
-class OverlappedStepsTest(absltest.TestCase):
+class TinyModelTest(parameterized.TestCase):
+  """A tiny model for the class, and its requests served through a `RecordingEngine`."""
+  requests: list[Request]
 
   @classmethod
   def setUpClass(cls):
@@ -67,6 +69,29 @@ class OverlappedStepsTest(absltest.TestCase):
     cls.tmp = tempfile.TemporaryDirectory(prefix="overlapped_steps_test.")
     path = write_tiny_glm_gguf(Path(cls.tmp.name) / "tiny.gguf", TinyGlmSpec(seed=3))[0]
     cls.model = mtpjax.load(str(path))
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.tmp.cleanup()
+    super().tearDownClass()
+
+  @classmethod
+  def serve_on(cls, engine, overlapping: bool = True):
+    """The class's requests served on `engine`: (results, the recording); every page is free
+    after."""
+    recording = RecordingEngine(engine, overlapping)
+    recording.scheduler = SlotScheduler(recording)
+    results = recording.scheduler.run(cls.requests)
+    pages = recording.scheduler.state.pages
+    assert (pages.free_pages, pages.reserved) == (POOL, 0), "pages left held"
+    return results, recording
+
+
+class OverlappedStepsTest(TinyModelTest):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
     cls.engine = cls.model.engine(native_mtp=False, slots=SLOTS, max_len=MAX_LEN,
                                   prefill_buckets=(16,), kv_pages=POOL)
     rng = np.random.default_rng(5)
@@ -79,7 +104,7 @@ class OverlappedStepsTest(absltest.TestCase):
                     for i, (p, b) in enumerate(zip(prompts, budgets))]
     # Stop ids from a first run: request 1 stops at its 4th token or later, request 4 at its
     # 2nd or later (a token's first occurrence there).
-    first = cls.serve(True)[0]
+    first = cls.serve_on(cls.engine)[0]
     cls.stops_at = {}
     for i, start in ((1, 3), (4, 1)):
       tokens = first[i].tokens
@@ -89,23 +114,9 @@ class OverlappedStepsTest(absltest.TestCase):
     seen = []
     cls.requests[2].on_tokens = seen.extend
     cls.requests[2].cancelled = lambda: len(seen) >= 5
-    cls.overlapped, cls.recorded = cls.serve(True)
+    cls.overlapped, cls.recorded = cls.serve_on(cls.engine)
     seen.clear()
-    cls.collected, cls.one_by_one = cls.serve(False)
-
-  @classmethod
-  def tearDownClass(cls):
-    cls.tmp.cleanup()
-    super().tearDownClass()
-
-  @classmethod
-  def serve(cls, overlapping: bool):
-    engine = RecordingEngine(cls.engine, overlapping)
-    engine.scheduler = SlotScheduler(engine)
-    results = engine.scheduler.run(cls.requests)
-    pages = engine.scheduler.state.pages
-    assert (pages.free_pages, pages.reserved) == (POOL, 0), "pages left held"
-    return results, engine
+    cls.collected, cls.one_by_one = cls.serve_on(cls.engine, overlapping=False)
 
   def test_the_engine_overlaps_steps_with_mtp_off_only(self):
     self.assertTrue(self.engine.overlapping)
@@ -161,15 +172,12 @@ class OverlappedStepsTest(absltest.TestCase):
 BURST = 4
 
 
-class DecodeBurstTest(parameterized.TestCase):
+class DecodeBurstTest(TinyModelTest):
   """The same requests through an engine of single steps and one of bursts of BURST."""
 
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.tmp = tempfile.TemporaryDirectory(prefix="decode_burst_test.")
-    path = write_tiny_glm_gguf(Path(cls.tmp.name) / "tiny.gguf", TinyGlmSpec(seed=3))[0]
-    cls.model = mtpjax.load(str(path))
     settings = dict(native_mtp=False, slots=SLOTS, max_len=MAX_LEN, prefill_buckets=(16,),
                     kv_pages=POOL, logprobs=3)
     cls.single = cls.model.engine(**settings)
@@ -184,27 +192,13 @@ class DecodeBurstTest(parameterized.TestCase):
                             sampler=SamplerParams(temperature=0.8 * (i % 3 > 0), top_k=20 * (i % 2),
                                                   seed=i))
                     for i, (p, b) in enumerate(zip(prompts, budgets))]
-    first, _ = cls.serve(cls.single)
+    first, _ = cls.serve_on(cls.single)
     tokens = first[0].tokens          # request 0 stops at its 7th token or later
     j = next(j for j in range(6, len(tokens) - 1) if tokens[j] not in tokens[:j])
     cls.requests[0].stop_ids = frozenset({tokens[j]})
     cls.stop_at = j
-    cls.single_results, cls.single_recorded = cls.serve(cls.single)
-    cls.burst_results, cls.burst_recorded = cls.serve(cls.burst)
-
-  @classmethod
-  def tearDownClass(cls):
-    cls.tmp.cleanup()
-    super().tearDownClass()
-
-  @classmethod
-  def serve(cls, engine):
-    recording = RecordingEngine(engine, True)
-    recording.scheduler = SlotScheduler(recording)
-    results = recording.scheduler.run(cls.requests)
-    pages = recording.scheduler.state.pages
-    assert (pages.free_pages, pages.reserved) == (POOL, 0), "pages left held"
-    return results, recording
+    cls.single_results, cls.single_recorded = cls.serve_on(cls.single)
+    cls.burst_results, cls.burst_recorded = cls.serve_on(cls.burst)
 
   def test_bursts_give_the_tokens_of_single_steps(self):
     reasons = [r.finish_reason for r in self.burst_results]
