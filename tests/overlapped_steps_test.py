@@ -86,6 +86,15 @@ class TinyModelTest(parameterized.TestCase):
     assert (pages.free_pages, pages.reserved) == (POOL, 0), "pages left held"
     return results, recording
 
+  def assert_greedy_argmax(self, results):
+    """Each greedy request's tokens are the argmax of a full forward over its sequence."""
+    for i, (request, result) in enumerate(zip(self.requests, results)):
+      if request.sampler.temperature:
+        continue
+      sequence = np.concatenate([request.prompt, result.tokens[:-1]])
+      reference = np.argmax(self.model.logits(sequence), axis=-1)[len(request.prompt) - 1:]
+      self.assertEqual(result.tokens, reference.tolist(), f"request {i}")
+
 
 class OverlappedStepsTest(TinyModelTest):
 
@@ -152,12 +161,7 @@ class OverlappedStepsTest(TinyModelTest):
     self.assertLen(self.overlapped[5].tokens, MAX_LEN - len(self.requests[5].prompt))
 
   def test_greedy_outputs_are_a_full_forwards_argmax(self):
-    for i, (request, result) in enumerate(zip(self.requests, self.overlapped)):
-      if request.sampler.temperature:
-        continue
-      sequence = np.concatenate([request.prompt, result.tokens[:-1]])
-      reference = np.argmax(self.model.logits(sequence), axis=-1)[len(request.prompt) - 1:]
-      self.assertEqual(result.tokens, reference.tolist(), f"request {i}")
+    self.assert_greedy_argmax(self.overlapped)
 
   def test_a_request_at_its_budget_is_not_launched_again(self):
     for i, (request, result) in enumerate(zip(self.requests, self.overlapped)):
@@ -218,12 +222,7 @@ class DecodeBurstTest(TinyModelTest):
                                    [a.logprob] + [lp for _, lp in a.top], atol=1e-5)
 
   def test_greedy_bursts_are_a_full_forwards_argmax(self):
-    for i, (request, result) in enumerate(zip(self.requests, self.burst_results)):
-      if request.sampler.temperature:
-        continue
-      sequence = np.concatenate([request.prompt, result.tokens[:-1]])
-      reference = np.argmax(self.model.logits(sequence), axis=-1)[len(request.prompt) - 1:]
-      self.assertEqual(result.tokens, reference.tolist(), f"request {i}")
+    self.assert_greedy_argmax(self.burst_results)
 
   def test_bursts_run_but_never_past_a_budget_nor_beside_a_prefill(self):
     bursts = self.burst_recorded.bursts
