@@ -236,7 +236,7 @@ class DecodeBurstTest(TinyModelTest):
       # are wasted; a request at its budget never is.
       wasted = 2 * BURST - 1 if result.finish_reason == "stop" else 0
       self.assertBetween(rows - (len(result.tokens) - 1), 0, wasted, f"request {i}")
-    self.assertEqual(self.burst.trace_counts["burst"], len(self.burst.slot_buckets))
+    self.assertEqual(self.burst.trace_counts["decode_burst"], len(self.burst.slot_buckets))
 
   def test_a_burst_is_its_single_steps(self):
     prompt = self.requests[1].prompt
@@ -269,10 +269,35 @@ class DecodeBurstTest(TinyModelTest):
     with self.assertRaisesRegex(ValueError, "one position"):
       self.single.step(self.single.init_state(), np.array([True, False]), decode_steps=BURST)
 
-  def test_a_drafting_engine_decodes_one_position_a_dispatch(self):
-    drafting = self.model.engine(native_mtp=True, slots=SLOTS, max_len=MAX_LEN,
-                                 prefill_buckets=(16,), decode_steps=BURST)
-    self.assertEqual((drafting.decode_burst, self.burst.decode_burst), (1, BURST))
+  def test_a_plain_burst_is_its_plain_steps_and_drafting_resumes_alike(self):
+    # Native MTP: a burst of plain steps records each row's MTP inputs as plain steps do, so
+    # the catch-up and the drafting step after it see the same rows.
+    native = self.model.engine(native_mtp=True, slots=SLOTS, max_len=MAX_LEN,
+                               prefill_buckets=(16,), decode_steps=BURST)
+    self.assertEqual(native.decode_burst, BURST)
+    prompt = self.requests[2].prompt
+    active, plain = np.array([True, False]), np.zeros(SLOTS, np.int32)
+    outputs = []
+    for steps in ([BURST], [1] * BURST):
+      state = native.init_state()
+      state = native.insert(native.prefill(prompt, SamplerParams(), state=state), state, 0)
+      tokens = []
+      for n in steps:
+        state, result, _ = native.step(state, active, plain, decode_steps=n)
+        tokens += committed_tokens(result[0])
+      lag = state.mtp_lag[0].tolist()
+      state, result, _ = native.step(state, active, np.full(SLOTS, 1, np.int32))
+      outputs.append((tokens, lag, result[0].tolist(),
+                      np.asarray(state.groups[0].head.slots.draft).tolist()))
+    self.assertEqual(outputs[0], outputs[1])
+    self.assertEqual(outputs[0][1], [BURST, 0])
+    with self.assertRaisesRegex(ValueError, "verifies no drafts"):
+      native.step(state, active, np.full(SLOTS, 1, np.int32), decode_steps=BURST)
+
+  def test_a_host_drafting_engine_decodes_one_position_a_dispatch(self):
+    host = self.model.engine(native_mtp=False, host_drafts=True, slots=SLOTS, max_len=MAX_LEN,
+                             prefill_buckets=(16,), decode_steps=BURST)
+    self.assertEqual((host.decode_burst, self.burst.decode_burst), (1, BURST))
 
 
 if __name__ == "__main__":

@@ -280,8 +280,8 @@ class DecodeEngine(Protocol):
   """
   engine_cfg: EngineConfig
   trace_counts: dict[str, int]
-  # The decode positions one dispatch can compute a slot (`EngineConfig.decode_steps` where
-  # the engine runs bursts, else 1).
+  # The decode positions one dispatch can compute a slot in a step that verifies no drafts
+  # (`EngineConfig.decode_steps` where the engine runs bursts, else 1).
   decode_burst: int
 
   def warm_up_schedule(self) -> list[np.ndarray]:
@@ -348,18 +348,23 @@ def warm_up(engine: DecodeEngine) -> None:
   # Each schedule's slot gives its pages back after its steps, so the warm-up needs no more of
   # a small KV pool than one short request does.
   state = engine.free(state, 0)
+  bursts = sorted({1, engine.decode_burst})   # a step, and a decode burst where it runs them
+  no_drafts = np.zeros(ec.slots, np.int32)
   for reach in engine.warm_up_schedule():
     if not ec.drafts:
-      for burst in sorted({1, engine.decode_burst}):
+      for burst in bursts:
         state, _, _ = engine.step(state, reach, decode_steps=burst)
     else:
-      for window in ec.window_buckets + (0,):    # every window bucket, then a plain step
+      for window in ec.window_buckets:           # every window bucket, then plain steps
         state, _, _ = engine.step(state, reach, np.full(ec.slots, window, np.int32),
                                   drafts=drafts)
+      for burst in bursts:
+        state, _, _ = engine.step(state, reach, no_drafts, drafts=drafts, decode_steps=burst)
       if ec.native_mtp:
         state = engine.catch_up(state, reach)   # the missing MTP rows, before drafting again
-        for slot in np.flatnonzero(reach):       # and the step of detached slots alone
+        for slot in np.flatnonzero(reach):       # and the steps of detached slots alone
           state = engine.detach(state, int(slot))
-        state, _, _ = engine.step(state, reach, np.zeros(ec.slots, np.int32), drafts=drafts)
+        for burst in bursts:
+          state, _, _ = engine.step(state, reach, no_drafts, drafts=drafts, decode_steps=burst)
     for slot in np.flatnonzero(reach):
       state = engine.free(state, int(slot))

@@ -106,11 +106,13 @@ class DraftingCost:
       table = _ENGINE_COSTS[engine] = collections.defaultdict(cls)
     return table
 
-  def observe_step(self, drafting: bool, seconds: float, caught_up_rows: int = 0) -> None:
+  def observe_step(self, drafting: bool, seconds: float, caught_up_rows: int = 0,
+                   steps: int = 1) -> None:
     """A drafting step that first caught up `caught_up_rows` paused rows prices a catch-up
-    pass (its time beyond a drafting step's price, per pass) instead of the drafting step."""
+    pass (its time beyond a drafting step's price, per pass) instead of the drafting step. A
+    burst of `steps` plain steps prices each at its share of the burst's `seconds`."""
     if not (drafting and caught_up_rows):
-      self.seconds[drafting].append(seconds)
+      self.seconds[drafting].extend([seconds / steps] * steps)
     elif len(self.seconds[True]) >= 2:
       extra = seconds - self.price(True)
       self.catch_up_pass.append(max(extra, 0.0) / -(-caught_up_rows // CATCH_UP_ROWS))

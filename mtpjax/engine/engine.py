@@ -10,9 +10,9 @@ on one group while s + 1 works on the previous one.
 A step computes only each group's slots up to its highest active one, rounded up to a power of
 two (`slots_for`): one compile per slot bucket, all made by `warm_up`. Caches and the head state
 are donated, so they are updated in place. The head side of a step (sampling, verify, draft,
-commit, paused drafting with catch-up) is `steps.py`; prefill is `prefill.py`. With MTP off on
-one stage, a decode burst computes `decode_steps` positions a slot in one dispatch
-(`steps.decode_burst`), paying the host's dispatch once for all of them.
+commit, paused drafting with catch-up) is `steps.py`; prefill is `prefill.py`. On one stage, a
+decode burst computes `decode_steps` positions a slot in one dispatch in place of steps that
+verify no drafts (`steps.decode_burst`), paying the host's dispatch once for all of them.
 
 The trunk caches, and the NextN block's cache and MTP history, are page pools
 (`page_pool.py`): a prompt is prefilled straight into its own pages (a cached prefix's pages
@@ -115,16 +115,17 @@ class Engine(PrefillSteps):
                     for k in engine_cfg.window_buckets}
     self._draft = jit("draft", self._draft_fn, ("head",))
     self._catch_up = jit("catch_up", self._catch_up_fn, ("head",))
-    # Decode bursts run on one stage in this process, between steps that verify no drafts.
-    single = self.overlapping and self.last == 0
+    # Decode bursts run on one stage in this process, in place of steps that verify no drafts
+    # (MTP off's, and native MTP's plain ones); the host's drafts come a step at a time.
+    single = self.last == 0 and isinstance(self.hops, LocalHops) and not engine_cfg.host_drafts
     self.decode_burst = engine_cfg.decode_steps if single else 1
     if engine_cfg.decode_steps > 1 and not single:
       logging.info("engine.decode_steps %d: a %s decodes one position a dispatch",
                    engine_cfg.decode_steps,
-                   "drafting engine" if engine_cfg.drafts else "pipeline")
-    self._burst = (jit("burst", functools.partial(_decode_rows(self._burst_fn),
-                                                  count=self.decode_burst), ("kv", "head"))
-                   if self.decode_burst > 1 else None)
+                   "host-drafting engine" if engine_cfg.host_drafts else "pipeline")
+    self._bursts = {kind: jit(f"{kind}_burst", functools.partial(
+        _decode_rows(self._burst_fn), kind=kind, count=self.decode_burst), ("kv", "head"))
+                    for kind in kinds} if self.decode_burst > 1 else {}
 
   def _model(self, s: int, leaves):
     return nnx.merge(self._graphdefs[s], jax.tree.unflatten(self._treedefs[s], leaves))
@@ -282,13 +283,14 @@ class Engine(PrefillSteps):
     return kv, (head.merge(part), self._columns(result, part), logprobs)
 
   def _burst_fn(self, leaves, inp, kv, table, head: HeadState, active, drafting, drafts, want,
-                *, count: int):
+                *, kind: str, count: int):
     """A decode burst (`steps.decode_burst`) over the first active.shape[0] slots of the single
-    stage: the arguments and outputs of `_step_fn`'s decode step, `count` positions a slot."""
+    stage: the arguments and outputs of `_step_fn`'s step of `kind` (decode or plain), `count`
+    positions a slot."""
     del inp, drafting, drafts     # a single stage reads its inputs from the head state
     kv, part, result, logprobs = steps.decode_burst(
         self._model(0, leaves), head.first(active.shape[0]), kv, table, active, count,
-        self.engine_cfg.logprobs, want)
+        self.engine_cfg.logprobs, want, plain=kind == "plain")
     return kv, (head.merge(part), self._columns(result, part), logprobs)
 
   def _columns(self, result, part: HeadState):
@@ -336,7 +338,8 @@ class Engine(PrefillSteps):
   @property
   def overlapping(self) -> bool:
     """Whether `launch` may start a step before the last one's tokens are read: each step
-    decodes one position a slot (no drafts), and one process runs every stage."""
+    commits the positions it was launched for (no drafts), and one process runs every
+    stage."""
     return not self.engine_cfg.drafts and isinstance(self.hops, LocalHops)
 
   def step(self, state: EngineState, active: np.ndarray, drafting: np.ndarray | None = None,
@@ -396,8 +399,10 @@ class Engine(PrefillSteps):
     ahead = steps.mtp_rows_ahead(depth) if ec.native_mtp else 0
     for slot in np.flatnonzero(active):     # pages for every row this step may write
       state.pages.grow_slot(slot, int(state.positions[slot]) + tokens, ahead)
+    if decode_steps > 1 and depth:
+      raise ValueError("a decode burst verifies no drafts: every draft window must be 0")
     step_fns = (self._draft_steps[depth] if depth else
-                [self._burst] if decode_steps > 1 else self._steps[kind])
+                [self._bursts[kind]] if decode_steps > 1 else self._steps[kind])
     info: dict = {}
     results, rows = [], []
     for (lo, hi), group in zip(self.bounds, state.groups):
@@ -436,7 +441,8 @@ class Engine(PrefillSteps):
         results.append(result)
         rows.append(committed)
     if kind == "plain":
-      state.mtp_lag = [lag + active[lo:hi] for lag, (lo, hi) in zip(state.mtp_lag, self.bounds)]
+      state.mtp_lag = [lag + active[lo:hi] * tokens
+                       for lag, (lo, hi) in zip(state.mtp_lag, self.bounds)]
     fixed = kind in ("decode", "plain")      # every active slot commits exactly `tokens`
     if fixed:
       state.positions += active * tokens

@@ -317,7 +317,7 @@ class SlotScheduler:
       drafts, windows = self._host_drafts(windows)
       drafted = any(windows)
     self.window_in_use = sum(windows) / sum(occupied)
-    burst = self._burst(due, max_len)
+    burst = 1 if drafted else self._burst(due, max_len)
     self.state, pending = self.engine.launch(
         self.state, active, np.array(windows, np.int32), drafts=drafts, logprobs=wants,
         decode_steps=burst)
@@ -354,19 +354,20 @@ class SlotScheduler:
       c["committed_tokens"] += count
       tokens = committed_tokens(row)
       if self.speculating:
-        self._account_draft(live, step.windows[index], row[ACCEPTED], info)
+        self._account_draft(live, step.windows[index], row[ACCEPTED], info,
+                            steps=step.decode_steps)
       if live.ngram is not None:
         self._host_verified(live, row, tokens)
       self._emit(index, tokens, token_logprobs(live.request, info.get("logprobs"), index,
                                                 tokens))
     if self.speculating:   # the step's wall time, with the host's per-step work
-      drafted = step.drafted
+      drafted, steps = step.drafted, step.decode_steps
       # Only native MTP catches up after plain steps (an n-gram proposer has no cache).
       self.cost.observe_step(drafted, time.perf_counter() - step.started,
                              caught_up_rows=self._plain_steps if drafted and self.native_mtp
-                             else 0)
-      self._plain_steps = 0 if drafted else self._plain_steps + 1
-      self._price_drafting(drafted)
+                             else 0, steps=steps)
+      self._plain_steps = 0 if drafted else self._plain_steps + steps
+      self._price_drafting(drafted, steps)
 
   def _host_drafts(self, mtp_windows: list[int]) -> tuple[np.ndarray, list[int]]:
     """Each live slot's host draft for this step, [slots, draft_tokens], and its length. A
@@ -425,14 +426,15 @@ class SlotScheduler:
     it is not detached)."""
     return live.drafting and not live.detached and self.batch_paused_steps == 0
 
-  def _price_drafting(self, drafted: bool) -> None:
-    """The batch-level cost policy of `AdaptiveDrafting` (see there)."""
+  def _price_drafting(self, drafted: bool, steps: int = 1) -> None:
+    """The batch-level cost policy of `AdaptiveDrafting` (see there), after a drafting step or
+    `steps` plain ones."""
     policy = self.adaptive
     if not self.cost_aware:
       return
     cost, verdict = self.cost, self.verdict
     if not drafted:
-      verdict.paused_steps = max(0, verdict.paused_steps - 1)
+      verdict.paused_steps = max(0, verdict.paused_steps - steps)
       return
     verdict.drafting_steps += 1
     # Resuming after a pause for not paying, `probe_steps` drafting steps re-price drafting
@@ -463,16 +465,18 @@ class SlotScheduler:
     self.window_cap = cap
     self.cost.reprice_drafting()
 
-  def _account_draft(self, live: LiveRequest, window: int, accepted: int, info: dict) -> None:
+  def _account_draft(self, live: LiveRequest, window: int, accepted: int, info: dict,
+                     steps: int = 1) -> None:
     """Count a verified window of drafts (`window` 0: none) and apply the adaptive policy to
-    the slot. A paused slot's pause counts down every step; drafts it verified meanwhile count
-    in the statistics but not towards its own accept-rate window or its draft window."""
+    the slot. A paused slot's pause counts down every step (`steps`: a burst's); drafts it
+    verified meanwhile count in the statistics but not towards its own accept-rate window or
+    its draft window."""
     c = live.counts
     c["proposal_us"] += info.get("proposal_compute_us", 0)
     c["verification_us"] += info.get("verification_compute_us", 0)
     paused = not live.drafting
     if paused:
-      live.paused_steps -= 1
+      live.paused_steps = max(0, live.paused_steps - steps)
     if not window:
       return
     c["drafted"] += window

@@ -201,18 +201,22 @@ def decode_commit(model: CausalLM, head: HeadState, hidden, active, top_n: int =
 
 
 def decode_burst(model: CausalLM, head: HeadState, kv, table, active, count: int, top_n: int = 0,
-                 want=False) -> tuple[list, HeadState, jax.Array, tuple | None]:
-  """`count` plain decode steps of a single-stage model in one program (a decode burst,
+                 want=False, *, plain: bool = False
+                 ) -> tuple[list, HeadState, jax.Array, tuple | None]:
+  """`count` decode steps of a single-stage model in one program (a decode burst,
   `EngineConfig.decode_steps`): each step feeds the token the last one sampled, at the next
   position with that position's key, so the tokens are those of `count` separate steps; only
-  the host's dispatch is paid once. `kv`: the trunk's page pools, `table` the slots' pages for
-  all `count` rows. Returns (kv, head, ResultTokens [B, 3 + count - 1] committing all `count`,
-  and with `top_n` each row's logprobs [B, count, ...])."""
+  the host's dispatch is paid once. `plain`: native MTP's plain steps (`plain_commit`, each
+  recording its row's MTP inputs in the head's pools), else MTP off's (`decode_commit`).
+  `kv`: the trunk's page pools, `table` the slots' pages for all `count` rows. Returns (kv,
+  head, ResultTokens [B, 3 + count - 1] committing all `count`, and with `top_n` each row's
+  logprobs [B, count, ...])."""
   def one_step(carry, _):
     kv, head = carry
     s = head.slots
     x, kv, _ = stage_forward(model, *step_inputs(s.current, s.draft, s.pos, 0), kv, table)
-    head, result, logprobs = decode_commit(model, head, x, active, top_n, want)
+    head, result, logprobs = (plain_commit(model, head, table, x, active, top_n, want) if plain
+                              else decode_commit(model, head, x, active, top_n, want))
     return (kv, head), (result[:, TOKEN_A], logprobs)
 
   (kv, head), (tokens, logprobs) = jax.lax.scan(one_step, (kv, head), length=count)
