@@ -123,9 +123,11 @@ class Engine(PrefillSteps):
       logging.info("engine.decode_steps %d: a %s decodes one position a dispatch",
                    engine_cfg.decode_steps,
                    "host-drafting engine" if engine_cfg.host_drafts else "pipeline")
-    self._bursts = {kind: jit(f"{kind}_burst", functools.partial(
-        _decode_rows(self._burst_fn), kind=kind, count=self.decode_burst), ("kv", "head"))
-                    for kind in kinds} if self.decode_burst > 1 else {}
+    burst_fn = _decode_rows(self._burst_fn)
+    self._bursts = {}       # by the kind of step a burst repeats
+    if self.decode_burst > 1:
+      self._bursts = {kind: jit(f"{kind}_burst", functools.partial(
+          burst_fn, kind=kind, count=self.decode_burst), ("kv", "head")) for kind in kinds}
 
   def _model(self, s: int, leaves):
     return nnx.merge(self._graphdefs[s], jax.tree.unflatten(self._treedefs[s], leaves))

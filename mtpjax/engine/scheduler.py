@@ -359,7 +359,7 @@ class SlotScheduler:
       if live.ngram is not None:
         self._host_verified(live, row, tokens)
       self._emit(index, tokens, token_logprobs(live.request, info.get("logprobs"), index,
-                                                tokens))
+                                               tokens))
     if self.speculating:   # the step's wall time, with the host's per-step work
       drafted, steps = step.drafted, step.decode_steps
       # Only native MTP catches up after plain steps (an n-gram proposer has no cache).
