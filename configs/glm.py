@@ -76,9 +76,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # a float32 model's KV bytes; float16 is llama.cpp's default) or float32 (README, "Context
   # length and memory").
   config.engine.kv_cache_dtype = "auto"
-  # Decode positions one dispatch computes a slot in steps that verify no drafts (a burst, on
-  # one stage: MTP off, or native MTP while drafting is paused): the host's per-step work is
-  # paid once for all of them, and the tokens are the same. A
+  # Steps one dispatch runs (a burst, on one stage: MTP off's, native MTP's plain and drafting
+  # steps): the host's per-step work is paid once for all of them, and the tokens are the
+  # same. A
   # burst runs only while no prompt waits to be prefilled beside a free slot, so first tokens
   # are not delayed; a stream gets its tokens that many at a time. 1: one position a dispatch.
   config.engine.decode_steps = 4

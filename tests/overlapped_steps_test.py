@@ -19,7 +19,7 @@ from absl.testing import absltest, parameterized
 
 import mtpjax
 from mtpjax import errors
-from mtpjax.engine.contract import committed_tokens
+from mtpjax.engine.contract import COUNT, burst_rows, committed_tokens
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.engine.scheduler import Request, SlotScheduler
 from mtpjax.testing.tiny_glm import TinyGlmSpec, write_tiny_glm_gguf
@@ -249,8 +249,9 @@ class DecodeBurstTest(TinyModelTest):
       tokens = []
       for n in steps:
         state, result, _ = self.burst.step(state, active, decode_steps=n)
-        self.assertEqual(result.shape, (SLOTS, 3 + BURST - 1))
-        tokens += committed_tokens(result[1])
+        self.assertEqual(result.shape, (SLOTS, 4 * BURST))   # a step's 4 columns a step
+        for part in burst_rows(result[1], n, 4):
+          tokens += committed_tokens(part)
       outputs.append((tokens, state.positions.tolist()))
     self.assertEqual(outputs[0], outputs[1])
     self.assertEqual(outputs[0][1], [0, len(prompt) + BURST])
@@ -269,30 +270,34 @@ class DecodeBurstTest(TinyModelTest):
     with self.assertRaisesRegex(ValueError, "one position"):
       self.single.step(self.single.init_state(), np.array([True, False]), decode_steps=BURST)
 
-  def test_a_plain_burst_is_its_plain_steps_and_drafting_resumes_alike(self):
+  def test_native_mtp_bursts_are_their_steps(self):
     # Native MTP: a burst of plain steps records each row's MTP inputs as plain steps do, so
-    # the catch-up and the drafting step after it see the same rows.
+    # the catch-up and the drafting steps after it see the same rows; a burst of drafting
+    # steps verifies, accepts and drafts as its steps do one by one.
     native = self.model.engine(native_mtp=True, slots=SLOTS, max_len=MAX_LEN,
                                prefill_buckets=(16,), decode_steps=BURST)
     self.assertEqual(native.decode_burst, BURST)
+    width = native.engine_cfg.step_width
     prompt = self.requests[2].prompt
     active, plain = np.array([True, False]), np.zeros(SLOTS, np.int32)
+    drafting = np.full(SLOTS, 1, np.int32)
     outputs = []
-    for steps in ([BURST], [1] * BURST):
+    for n in (BURST, 1):
       state = native.init_state()
       state = native.insert(native.prefill(prompt, SamplerParams(), state=state), state, 0)
-      tokens = []
-      for n in steps:
-        state, result, _ = native.step(state, active, plain, decode_steps=n)
-        tokens += committed_tokens(result[0])
-      lag = state.mtp_lag[0].tolist()
-      state, result, _ = native.step(state, active, np.full(SLOTS, 1, np.int32))
-      outputs.append((tokens, lag, result[0].tolist(),
+      rows, lags = [], []
+      for windows in (plain, drafting):
+        for _ in range(BURST // n):
+          state, result, _ = native.step(state, active, windows, decode_steps=n)
+          rows += burst_rows(result[0], n, width)
+        lags.append(state.mtp_lag[0].tolist())
+      outputs.append((rows, lags, state.positions.tolist(),
                       np.asarray(state.groups[0].head.slots.draft).tolist()))
     self.assertEqual(outputs[0], outputs[1])
-    self.assertEqual(outputs[0][1], [BURST, 0])
-    with self.assertRaisesRegex(ValueError, "verifies no drafts"):
-      native.step(state, active, np.full(SLOTS, 1, np.int32), decode_steps=BURST)
+    rows, lags, positions, _ = outputs[0]
+    self.assertEqual(lags, [[BURST, 0], [0, 0]])
+    self.assertEqual([r[COUNT] for r in rows[:BURST]], [1] * BURST)
+    self.assertEqual(positions[0], len(prompt) + sum(r[COUNT] for r in rows))
 
   def test_a_host_drafting_engine_decodes_one_position_a_dispatch(self):
     host = self.model.engine(native_mtp=False, host_drafts=True, slots=SLOTS, max_len=MAX_LEN,

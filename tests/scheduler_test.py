@@ -45,9 +45,9 @@ def engine(native_mtp: bool, slots: int = SLOTS, decode_steps: int = 1):
                                 prefill_buckets=(16,), decode_steps=decode_steps)
 
 
-def serve(native_mtp: bool, requests, slots: int = SLOTS, adaptive=None):
+def serve(native_mtp: bool, requests, slots: int = SLOTS, adaptive=None, decode_steps: int = 1):
   """Without an adaptive policy every step drafts, so the counters follow the plain rule."""
-  scheduler = SlotScheduler(engine(native_mtp, slots), adaptive=adaptive)
+  scheduler = SlotScheduler(engine(native_mtp, slots, decode_steps), adaptive=adaptive)
   return scheduler.run(requests), scheduler
 
 
@@ -88,12 +88,20 @@ class ContinuousBatchingTest(absltest.TestCase):
     cls.adaptive, _ = serve(True, cls.requests,
                             adaptive=AdaptiveDrafting(window=4, min_accept_rate=0.9, cooldown=3))
     cls.off, _ = serve(False, cls.requests)
+    # Bursts of 4 drafting steps a dispatch (2 slots: the cost tests' engine).
+    cls.bursts, _ = serve(True, cls.requests, slots=2, decode_steps=4)
     cls.alone = [serve(False, [r], slots=1)[0][0] for r in cls.requests]
 
   def test_mtp_on_equals_mtp_off(self):
     for i, (on, off) in enumerate(zip(self.on, self.off)):
       self.assertEqual(on.tokens, off.tokens, f"request {i}")
       self.assertEqual(on.finish_reason, off.finish_reason, f"request {i}")
+
+  def test_bursts_of_drafting_steps_equal_single_steps(self):
+    for i, (burst, on) in enumerate(zip(self.bursts, self.on)):
+      self.assertEqual(burst.tokens, on.tokens, f"request {i}")
+      self.assertEqual(burst.finish_reason, on.finish_reason, f"request {i}")
+      self.assertEqual(burst.stats, on.stats, f"request {i}")
 
   def test_adaptive_drafting_keeps_outputs_and_counters_consistent(self):
     paused = 0

@@ -21,16 +21,16 @@ from mtpjax.models import kv_cache
 from mtpjax.models.config import ModelConfig
 
 # ResultTokens columns: one int32 [B, result_width] array per step means one device->host copy.
-# The first two committed tokens, their count and the accepted drafts; a window of k drafts
-# commits up to k + 1 tokens and a decode burst `decode_steps`, the third one on in the columns
-# after ACCEPTED. An engine
+# A step's `step_width` columns: the first two committed tokens, their count and the accepted
+# drafts; a window of k drafts commits up to k + 1 tokens, the third one on in the columns
+# after ACCEPTED. A burst's steps come one after another (`burst_rows`). An engine
 # whose host extends native MTP's drafts (`EngineConfig.mtp_chain_columns`) appends the slot's
 # next MTP chain, draft_tokens more columns.
 TOKEN_A, TOKEN_B, COUNT, ACCEPTED = range(4)
 # Prompt buckets of an engine built without explicit ones (those that fit its cache are kept).
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")   # `EngineConfig.kv_cache_dtype`
-# The longest decode burst (`EngineConfig.decode_steps`): past a few steps a dispatch's cost is
+# The longest burst (`EngineConfig.decode_steps`): past a few steps a dispatch's cost is
 # already amortized, and a burst delays admitting a waiting request by its length.
 MAX_DECODE_STEPS = 32
 
@@ -87,7 +87,7 @@ class EngineConfig:
   kv_page: int = 16                        # trunk cache rows per page (a power of two)
   kv_pages: int = 0                        # pages per layer's pool (0: every slot at max_len)
   kv_cache_dtype: str = "auto"             # attention caches' values (auto: the activations')
-  decode_steps: int = 1                    # decode positions a burst computes in one dispatch
+  decode_steps: int = 1                    # steps a burst runs in one dispatch
 
   @classmethod
   def with_default_buckets(cls, *, max_len: int, **kwargs) -> "EngineConfig":
@@ -166,10 +166,16 @@ class EngineConfig:
     return self.native_mtp and self.host_drafts
 
   @property
+  def step_width(self) -> int:
+    """One step's ResultTokens columns: TOKEN_A, TOKEN_B, COUNT, ACCEPTED, then tokens
+    3 .. k + 1 of a window of k drafts."""
+    return 3 + max(self.draft_tokens, 1)
+
+  @property
   def result_width(self) -> int:
-    """ResultTokens columns: TOKEN_A, TOKEN_B, COUNT, ACCEPTED, then tokens 3 .. k + 1 of a
-    window of k drafts or of a decode burst (and the MTP chain, `mtp_chain_columns`)."""
-    width = 3 + max(self.draft_tokens, self.decode_steps - 1, 1)
+    """ResultTokens columns: a burst's steps (`step_width` each), then the MTP chain
+    (`mtp_chain_columns`)."""
+    width = self.step_width * self.decode_steps
     return width + self.draft_tokens if self.mtp_chain_columns else width
 
   def prefill_chunks(self, prompt, start: int = 0
@@ -252,6 +258,13 @@ def committed_tokens(row) -> list[int]:
   return ([row[TOKEN_A], row[TOKEN_B]] + row[ACCEPTED + 1:])[:row[COUNT]]
 
 
+def burst_rows(row, steps: int, width: int) -> list[list[int]]:
+  """The ResultTokens row of each of a burst's `steps` steps (`width` columns each) in one
+  slot's row."""
+  row = list(row)
+  return [row[j * width:(j + 1) * width] for j in range(steps)]
+
+
 def mtp_chain(row, draft_tokens: int) -> list[int]:
   """The next native-MTP draft chain a ResultTokens row ends with (`mtp_chain_columns`)."""
   return list(row)[-draft_tokens:]
@@ -274,14 +287,14 @@ class DecodeEngine(Protocol):
   slots use their drafts (bool) or how many (int, each slot's window), and `catch_up` brings
   paused slots' MTP caches up to date. With `host_drafts`, `drafts` [slots, draft_tokens] are
   the host's proposals (a composite's starts with the MTP chain the last result returned).
-  `decode_steps` (1 or `decode_burst`): a step that verifies no drafts decodes that many
-  positions of every active slot in one dispatch, each sampled as its own step would be, and
-  commits them all (the host drops those past a stop).
+  `decode_steps` (1 or `decode_burst`): that many steps of the same kind and window in one
+  dispatch, each committing as its own step would (the host drops what follows a stop); the
+  result holds each step's row one after another (`burst_rows`).
   """
   engine_cfg: EngineConfig
   trace_counts: dict[str, int]
-  # The decode positions one dispatch can compute a slot in a step that verifies no drafts
-  # (`EngineConfig.decode_steps` where the engine runs bursts, else 1).
+  # The steps one dispatch can run (`EngineConfig.decode_steps` where the engine runs bursts,
+  # else 1).
   decode_burst: int
 
   def warm_up_schedule(self) -> list[np.ndarray]:
@@ -356,8 +369,9 @@ def warm_up(engine: DecodeEngine) -> None:
         state, _, _ = engine.step(state, reach, decode_steps=burst)
     else:
       for window in ec.window_buckets:           # every window bucket, then plain steps
-        state, _, _ = engine.step(state, reach, np.full(ec.slots, window, np.int32),
-                                  drafts=drafts)
+        for burst in bursts:
+          state, _, _ = engine.step(state, reach, np.full(ec.slots, window, np.int32),
+                                    drafts=drafts, decode_steps=burst)
       for burst in bursts:
         state, _, _ = engine.step(state, reach, no_drafts, drafts=drafts, decode_steps=burst)
       if ec.native_mtp:

@@ -110,11 +110,11 @@ class DraftingCost:
                    steps: int = 1) -> None:
     """A drafting step that first caught up `caught_up_rows` paused rows prices a catch-up
     pass (its time beyond a drafting step's price, per pass) instead of the drafting step. A
-    burst of `steps` plain steps prices each at its share of the burst's `seconds`."""
+    burst of `steps` steps prices each at its share of the burst's `seconds`."""
     if not (drafting and caught_up_rows):
       self.seconds[drafting].extend([seconds / steps] * steps)
     elif len(self.seconds[True]) >= 2:
-      extra = seconds - self.price(True)
+      extra = seconds - steps * self.price(True)
       self.catch_up_pass.append(max(extra, 0.0) / -(-caught_up_rows // CATCH_UP_ROWS))
 
   def observe_draft(self, accepted: int) -> None:

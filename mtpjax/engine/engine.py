@@ -11,8 +11,8 @@ A step computes only each group's slots up to its highest active one, rounded up
 two (`slots_for`): one compile per slot bucket, all made by `warm_up`. Caches and the head state
 are donated, so they are updated in place. The head side of a step (sampling, verify, draft,
 commit, paused drafting with catch-up) is `steps.py`; prefill is `prefill.py`. On one stage, a
-decode burst computes `decode_steps` positions a slot in one dispatch in place of steps that
-verify no drafts (`steps.decode_burst`), paying the host's dispatch once for all of them.
+burst runs `decode_steps` steps of one kind in one dispatch (`steps.burst`), paying the host's
+dispatch once for all of them.
 
 The trunk caches, and the NextN block's cache and MTP history, are page pools
 (`page_pool.py`): a prompt is prefilled straight into its own pages (a cached prefix's pages
@@ -115,19 +115,23 @@ class Engine(PrefillSteps):
                     for k in engine_cfg.window_buckets}
     self._draft = jit("draft", self._draft_fn, ("head",))
     self._catch_up = jit("catch_up", self._catch_up_fn, ("head",))
-    # Decode bursts run on one stage in this process, in place of steps that verify no drafts
-    # (MTP off's, and native MTP's plain ones); the host's drafts come a step at a time.
-    single = self.last == 0 and isinstance(self.hops, LocalHops) and not engine_cfg.host_drafts
+    # Bursts run on one stage in this process (the host's drafts come a step at a time, and
+    # timing syncs inside a step): MTP off's steps, native MTP's plain and drafting ones.
+    single = (self.last == 0 and isinstance(self.hops, LocalHops) and not engine_cfg.host_drafts
+              and not engine_cfg.timing)
     self.decode_burst = engine_cfg.decode_steps if single else 1
     if engine_cfg.decode_steps > 1 and not single:
-      logging.info("engine.decode_steps %d: a %s decodes one position a dispatch",
-                   engine_cfg.decode_steps,
-                   "host-drafting engine" if engine_cfg.host_drafts else "pipeline")
+      logging.info("engine.decode_steps %d: this engine (%s) runs one step a dispatch",
+                   engine_cfg.decode_steps, "host drafting" if engine_cfg.host_drafts else
+                   "timing" if engine_cfg.timing else "a pipeline")
     burst_fn = _decode_rows(self._burst_fn)
-    self._bursts = {}       # by the kind of step a burst repeats
+    self._bursts = {}       # by (the kind of step a burst repeats, its window bucket)
     if self.decode_burst > 1:
-      self._bursts = {kind: jit(f"{kind}_burst", functools.partial(
-          burst_fn, kind=kind, count=self.decode_burst), ("kv", "head")) for kind in kinds}
+      shapes = [(kind, 0) for kind in kinds] + [
+          ("verify_draft", k) for k in self._draft_steps if engine_cfg.native_mtp]
+      self._bursts = {(kind, k): jit(f"{kind}_burst", functools.partial(
+          burst_fn, kind=kind, depth=k, count=self.decode_burst), ("kv", "head"))
+          for kind, k in shapes}
 
   def _model(self, s: int, leaves):
     return nnx.merge(self._graphdefs[s], jax.tree.unflatten(self._treedefs[s], leaves))
@@ -270,34 +274,45 @@ class Engine(PrefillSteps):
     x, kv, selection = stage_forward(model, inp, positions, kv, table)
     if not layout.output:
       return kv, (x, positions, selection if self._hands_selection(s) else None)
-    top_n = self.engine_cfg.logprobs
     if kind == "verify":
-      return kv, steps.verify_tokens(model, part, x, top_n, want)
+      return kv, steps.verify_tokens(model, part, x, self.engine_cfg.logprobs, want)
+    part, result, logprobs = self._commit(kind, model, part, x, table, active, drafting, want)
+    return kv, (head.merge(part), self._columns(result, part), logprobs)
+
+  def _commit(self, kind: str, model, part: HeadState, x, table, active, drafting, want):
+    """The head side of a step of `kind` from the trunk's output `x`: (the head state, its
+    ResultTokens, its logprobs)."""
+    top_n = self.engine_cfg.logprobs
     if kind in ("verify_draft", "verify_host"):
       verified, logprobs = steps.verify_tokens(model, part, x, top_n, want)
       part, result = (steps.draft_commit(model, part, table, verified, active, drafting)
                       if kind == "verify_draft" else
                       steps.host_verify_commit(part, verified, active, drafting))
-    elif kind == "plain":
-      part, result, logprobs = steps.plain_commit(model, part, table, x, active, top_n, want)
-    else:
-      part, result, logprobs = steps.decode_commit(model, part, x, active, top_n, want)
-    return kv, (head.merge(part), self._columns(result, part), logprobs)
+      return part, result, logprobs
+    if kind == "plain":
+      return steps.plain_commit(model, part, table, x, active, top_n, want)
+    return steps.decode_commit(model, part, x, active, top_n, want)
 
   def _burst_fn(self, leaves, inp, kv, table, head: HeadState, active, drafting, drafts, want,
-                *, kind: str, count: int):
-    """A decode burst (`steps.decode_burst`) over the first active.shape[0] slots of the single
-    stage: the arguments and outputs of `_step_fn`'s step of `kind` (decode or plain), `count`
-    positions a slot."""
-    del inp, drafting, drafts     # a single stage reads its inputs from the head state
-    kv, part, result, logprobs = steps.decode_burst(
-        self._model(0, leaves), head.first(active.shape[0]), kv, table, active, count,
-        self.engine_cfg.logprobs, want, plain=kind == "plain")
+                *, kind: str, depth: int, count: int):
+    """`count` steps of `kind` (decode, plain, or verify_draft of window bucket `depth`) in one
+    program (`steps.burst`) over the first active.shape[0] slots of the single stage: the
+    arguments and outputs of `_step_fn`, the steps' ResultTokens one after another."""
+    del inp, drafts     # a single stage reads its inputs (and drafts) from the head state
+    model = self._model(0, leaves)
+
+    def one_step(kv, part):
+      s = part.slots
+      x, kv, _ = stage_forward(model, *steps.step_inputs(s.current, s.draft, s.pos, depth), kv,
+                               table)
+      part, result, logprobs = self._commit(kind, model, part, x, table, active, drafting, want)
+      return (kv, part), (result, logprobs)
+    kv, part, result, logprobs = steps.burst(one_step, kv, head.first(active.shape[0]), count)
     return kv, (head.merge(part), self._columns(result, part), logprobs)
 
   def _columns(self, result, part: HeadState):
-    """ResultTokens of `result_width` columns: a step's padded to the longest commit (a window
-    or a burst), then the slots' next MTP chain (`mtp_chain_columns`)."""
+    """ResultTokens of `result_width` columns: a step's (or a burst's steps') padded to a
+    burst's, then the slots' next MTP chain (`mtp_chain_columns`)."""
     ec = self.engine_cfg
     chain = ec.draft_tokens if ec.mtp_chain_columns else 0
     result = jnp.pad(result, ((0, 0), (0, ec.result_width - chain - result.shape[1])))
@@ -369,9 +384,10 @@ class Engine(PrefillSteps):
     without the MTP block, and the next drafting step first catches the MTP KV up
     (`catch_up`). `drafts` [B, draft_tokens]: the host's drafts (an engine with `host_drafts`
     needs them; a composite's start with the MTP chain). `logprobs`: some live request wants
-    the committed rows' logprobs. `decode_steps` (1 or `decode_burst`): decode positions a
-    slot this dispatch computes and commits (`steps.decode_burst`); the caller makes sure
-    every active slot may take them all (rows past a stop are dropped by the host).
+    the committed rows' logprobs. `decode_steps` (1 or `decode_burst`): the steps of this kind
+    and window bucket this dispatch runs (`steps.burst`), their ResultTokens rows one after
+    another (`contract.burst_rows`); the caller makes sure every active slot has tokens left
+    for all their rows (what follows a stop is dropped by the host).
     """
     want = self._traced_flag(logprobs)
     # Host arrays go to the compiled steps as they are: jit's own transfer is far cheaper than
@@ -397,14 +413,14 @@ class Engine(PrefillSteps):
       drafts = np.asarray(drafts, np.int32).reshape(ec.slots, ec.draft_tokens)
     if kind == "verify_draft":
       state = self.catch_up(state, active & ~state.detached)
-    tokens = depth + 1 if depth else decode_steps
+    tokens = (depth + 1) * decode_steps        # the rows each slot may write
     ahead = steps.mtp_rows_ahead(depth) if ec.native_mtp else 0
     for slot in np.flatnonzero(active):     # pages for every row this step may write
       state.pages.grow_slot(slot, int(state.positions[slot]) + tokens, ahead)
-    if decode_steps > 1 and depth:
-      raise ValueError("a decode burst verifies no drafts: every draft window must be 0")
-    step_fns = (self._draft_steps[depth] if depth else
-                [self._bursts[kind]] if decode_steps > 1 else self._steps[kind])
+    if decode_steps > 1:
+      step_fns = [self._bursts[kind, depth]]
+    else:
+      step_fns = self._draft_steps[depth] if depth else self._steps[kind]
     info: dict = {}
     results, rows = [], []
     for (lo, hi), group in zip(self.bounds, state.groups):
@@ -457,7 +473,8 @@ class Engine(PrefillSteps):
         info["logprobs"] = self._shared_logprobs(rows, self.bounds, tokens)
       result = np.concatenate([np.asarray(r) for r in shared])
       if not fixed:
-        state.positions += np.where(active, result[:, COUNT], 0)
+        counts = result[:, COUNT:decode_steps * ec.step_width:ec.step_width].sum(axis=1)
+        state.positions += np.where(active, counts, 0)
       return result, info
     return state, PendingStep(collect)
 

@@ -24,8 +24,8 @@ import numpy as np
 from mtpjax import errors
 from mtpjax.draft_window import DraftWindow
 from mtpjax.engine.composite import NgramDrafter
-from mtpjax.engine.contract import (ACCEPTED, COUNT, DecodeEngine, committed_tokens, mtp_chain,
-                                   slot_buckets)
+from mtpjax.engine.contract import (ACCEPTED, COUNT, DecodeEngine, burst_rows, committed_tokens,
+                                   mtp_chain, slot_buckets)
 from mtpjax.engine.drafting_policy import AdaptiveDrafting, DraftingCost
 # Request, RequestFailed, Result and TokenLogprob are imported from here by the server, the
 # API and the tools: the scheduler is where requests go in and results come out.
@@ -38,7 +38,7 @@ from mtpjax.telemetry import MtpStats
 class _Launched:
   """A step in flight: the engine's pending step, the live request of each slot it computes
   (None: not computed), their draft windows, whether any drafted, when it started and the
-  decode positions it computes a slot (a burst's, else 1)."""
+  steps it runs (a burst's, else 1)."""
   pending: object
   slots: list
   windows: list[int]
@@ -317,7 +317,9 @@ class SlotScheduler:
       drafts, windows = self._host_drafts(windows)
       drafted = any(windows)
     self.window_in_use = sum(windows) / sum(occupied)
-    burst = 1 if drafted else self._burst(due, max_len)
+    # The rows each step of a burst may write a slot: its verify rows, at the window bucket.
+    rows = self.engine.engine_cfg.window_bucket(np.array(windows), active) + 1
+    burst = self._burst(due, max_len, rows)
     self.state, pending = self.engine.launch(
         self.state, active, np.array(windows, np.int32), drafts=drafts, logprobs=wants,
         decode_steps=burst)
@@ -326,15 +328,16 @@ class SlotScheduler:
         live.launched += burst
     return _Launched(pending, due, windows, drafted, started, burst)
 
-  def _burst(self, due: list, max_len: int) -> int:
-    """The decode positions this step computes a slot: the engine's burst while no prompt is
-    being prefilled or waits beside a free slot (for pages), whose first token a burst would
-    delay, and every slot it computes has that many tokens left beyond those in flight (a
-    request's last few run one at a time, so no row is written past its pages), else 1."""
+  def _burst(self, due: list, max_len: int, rows: int) -> int:
+    """The steps this dispatch runs, each writing up to `rows` rows a slot: the engine's burst
+    while no prompt is being prefilled or waits beside a free slot (for pages), whose first
+    token a burst would delay, and every slot it computes has tokens left for all of them
+    beyond those in flight (a request's last few run a step at a time, so no row is written
+    past its pages), else 1."""
     burst = self.engine.decode_burst
     if (burst > 1 and self.prefilling is None
         and not (self.waiting and None in self.slots)
-        and all(live is None or live.tokens_left(max_len) - live.launched >= burst
+        and all(live is None or live.tokens_left(max_len) - live.launched >= burst * rows
                 for live in due)):
       return burst
     return 1
@@ -342,24 +345,28 @@ class SlotScheduler:
   def _land(self, step: "_Launched") -> None:
     """Hand out a launched step's tokens to the slots it computed whose requests still run."""
     result, info = step.pending.collect()
+    width = self.engine.engine_cfg.step_width
+    logprobs = info.get("logprobs")
+    # Each step's logprob rows: a burst's steps committed the same number of rows each.
+    per_step = None if logprobs is None else logprobs[0].shape[1] // step.decode_steps
     for index, (live, row) in enumerate(zip(step.slots, result.tolist())):
       if live is None:
         continue
       live.launched -= step.decode_steps
-      if self.slots[index] is not live:
-        continue            # it stopped in an earlier step: this row is past its end
-      count = row[COUNT]
-      c = live.counts
-      c["target_passes"] += step.decode_steps
-      c["committed_tokens"] += count
-      tokens = committed_tokens(row)
-      if self.speculating:
-        self._account_draft(live, step.windows[index], row[ACCEPTED], info,
-                            steps=step.decode_steps)
-      if live.ngram is not None:
-        self._host_verified(live, row, tokens)
-      self._emit(index, tokens, token_logprobs(live.request, info.get("logprobs"), index,
-                                               tokens))
+      for j, part in enumerate(burst_rows(row, step.decode_steps, width)):
+        if self.slots[index] is not live:
+          break             # it stopped in an earlier step: these rows are past its end
+        c = live.counts
+        c["target_passes"] += 1
+        c["committed_tokens"] += part[COUNT]
+        tokens = committed_tokens(part)
+        if self.speculating:
+          self._account_draft(live, step.windows[index], part[ACCEPTED],
+                            info if j == 0 else {})
+        if live.ngram is not None:
+          self._host_verified(live, row, tokens)
+        rows = None if logprobs is None else tuple(a[:, j * per_step:] for a in logprobs)
+        self._emit(index, tokens, token_logprobs(live.request, rows, index, tokens))
     if self.speculating:   # the step's wall time, with the host's per-step work
       drafted, steps = step.drafted, step.decode_steps
       # Only native MTP catches up after plain steps (an n-gram proposer has no cache).
@@ -436,7 +443,7 @@ class SlotScheduler:
     if not drafted:
       verdict.paused_steps = max(0, verdict.paused_steps - steps)
       return
-    verdict.drafting_steps += 1
+    verdict.drafting_steps += steps
     # Resuming after a pause for not paying, `probe_steps` drafting steps re-price drafting
     # (the rest of the prices are recent): a full window each time would cost more than the
     # pause saves where drafting keeps not paying.
@@ -465,18 +472,16 @@ class SlotScheduler:
     self.window_cap = cap
     self.cost.reprice_drafting()
 
-  def _account_draft(self, live: LiveRequest, window: int, accepted: int, info: dict,
-                     steps: int = 1) -> None:
+  def _account_draft(self, live: LiveRequest, window: int, accepted: int, info: dict) -> None:
     """Count a verified window of drafts (`window` 0: none) and apply the adaptive policy to
-    the slot. A paused slot's pause counts down every step (`steps`: a burst's); drafts it
-    verified meanwhile count in the statistics but not towards its own accept-rate window or
-    its draft window."""
+    the slot. A paused slot's pause counts down every step; drafts it verified meanwhile count
+    in the statistics but not towards its own accept-rate window or its draft window."""
     c = live.counts
     c["proposal_us"] += info.get("proposal_compute_us", 0)
     c["verification_us"] += info.get("verification_compute_us", 0)
     paused = not live.drafting
     if paused:
-      live.paused_steps = max(0, live.paused_steps - steps)
+      live.paused_steps -= 1
     if not window:
       return
     c["drafted"] += window

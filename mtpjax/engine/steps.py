@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtpjax.engine.contract import TOKEN_A, EngineConfig
+from mtpjax.engine.contract import EngineConfig
 from mtpjax.engine.sampling import greedy_tokens, sample, token_logprobs
 from mtpjax.engine.state import CATCH_UP_ROWS, HeadState, MtpPages, Slots
 from mtpjax.models import registry
@@ -200,32 +200,18 @@ def decode_commit(model: CausalLM, head: HeadState, hidden, active, top_n: int =
           committed_logprobs(logits[:, None], token[:, None], top_n, want))
 
 
-def decode_burst(model: CausalLM, head: HeadState, kv, table, active, count: int, top_n: int = 0,
-                 want=False, *, plain: bool = False
-                 ) -> tuple[list, HeadState, jax.Array, tuple | None]:
-  """`count` decode steps of a single-stage model in one program (a decode burst,
-  `EngineConfig.decode_steps`): each step feeds the token the last one sampled, at the next
-  position with that position's key, so the tokens are those of `count` separate steps; only
-  the host's dispatch is paid once. `plain`: native MTP's plain steps (`plain_commit`, each
-  recording its row's MTP inputs in the head's pools), else MTP off's (`decode_commit`).
-  `kv`: the trunk's page pools, `table` the slots' pages for all `count` rows. Returns (kv,
-  head, ResultTokens [B, 3 + count - 1] committing all `count`, and with `top_n` each row's
-  logprobs [B, count, ...])."""
-  def one_step(carry, _):
-    kv, head = carry
-    s = head.slots
-    x, kv, _ = stage_forward(model, *step_inputs(s.current, s.draft, s.pos, 0), kv, table)
-    head, result, logprobs = (plain_commit(model, head, table, x, active, top_n, want) if plain
-                              else decode_commit(model, head, x, active, top_n, want))
-    return (kv, head), (result[:, TOKEN_A], logprobs)
-
-  (kv, head), (tokens, logprobs) = jax.lax.scan(one_step, (kv, head), length=count)
-  batch = tokens.shape[1]
-  result = result_rows(tokens.T, jnp.full((batch,), count, jnp.int32),
-                       jnp.zeros((batch,), jnp.int32), count - 1)
-  if logprobs is not None:      # [count, B, 1, ...] per field -> [B, count, ...]
-    logprobs = tuple(jnp.moveaxis(a[:, :, 0], 0, 1) for a in logprobs)
-  return kv, head, result, logprobs
+def burst(step, kv, head: HeadState, count: int) -> tuple[list, HeadState, jax.Array, tuple | None]:
+  """`count` steps of a single-stage model in one program (a burst, `EngineConfig.decode_steps`):
+  `step(kv, head)` -> ((kv, head), (its ResultTokens [B, W], its logprobs [B, R, ...] or
+  None)), each step feeding the next from the head state it commits (its tokens sampled with
+  their positions' keys), so the tokens are those of `count` separate steps; only the host's
+  dispatch is paid once. Returns (kv, head, the steps' ResultTokens one after another
+  [B, count * W], their logprobs [B, count * R, ...])."""
+  (kv, head), (results, logprobs) = jax.lax.scan(lambda carry, _: step(*carry), (kv, head),
+                                                 length=count)
+  batch = results.shape[1]
+  joined = lambda a: jnp.moveaxis(a, 0, 1).reshape((batch, -1) + a.shape[3:])
+  return kv, head, joined(results), None if logprobs is None else tuple(map(joined, logprobs))
 
 
 def verify_tokens(model: CausalLM, head: HeadState, hidden, top_n: int = 0, want=False
