@@ -362,7 +362,7 @@ class SlotScheduler:
         tokens = committed_tokens(part)
         if self.speculating:
           self._account_draft(live, step.windows[index], part[ACCEPTED],
-                            info if j == 0 else {})
+                              info if j == 0 else {})
         if live.ngram is not None:
           self._host_verified(live, row, tokens)
         rows = None if logprobs is None else tuple(a[:, j * per_step:] for a in logprobs)
