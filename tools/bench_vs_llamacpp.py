@@ -58,7 +58,7 @@ _ACTIVATIONS = flags.DEFINE_list(
 
 _DECODE_STEPS = flags.DEFINE_list(
     "decode_steps", ["1", "4"],
-    "mtpjax's decode bursts (engine.decode_steps: positions one dispatch decodes), each "
+    "mtpjax's decode bursts (engine.decode_steps: steps one dispatch runs), each "
     "measured in every round; rates of a burst k > 1 are reported as decode_<mode>_burst<k>")
 _KV_CACHE_DTYPE = flags.DEFINE_enum(
     "kv_cache_dtype", "float16", list(KV_CACHE_DTYPES),

@@ -358,11 +358,18 @@ def warm_up(engine: DecodeEngine) -> None:
       state = engine.insert(engine.prefill(np.zeros(bucket - 1, np.int32), SamplerParams(),
                                            state=state, nextn=nextn), state, 0)
   drafts = np.zeros((ec.slots, ec.draft_tokens), np.int32) if ec.host_drafts else None
-  # Each schedule's slot gives its pages back after its steps, so the warm-up needs no more of
-  # a small KV pool than one short request does.
+  # Each schedule's slot gives its pages back after each window's steps and after its last,
+  # so the warm-up needs no more of a small KV pool than one short request does, bursts and
+  # window buckets however many.
   state = engine.free(state, 0)
   bursts = sorted({1, engine.decode_burst})   # a step, and a decode burst where it runs them
   no_drafts = np.zeros(ec.slots, np.int32)
+
+  def released(state, reach):
+    for slot in np.flatnonzero(reach):
+      state = engine.free(state, int(slot))
+    return state
+
   for reach in engine.warm_up_schedule():
     if not ec.drafts:
       for burst in bursts:
@@ -372,6 +379,7 @@ def warm_up(engine: DecodeEngine) -> None:
         for burst in bursts:
           state, _, _ = engine.step(state, reach, np.full(ec.slots, window, np.int32),
                                     drafts=drafts, decode_steps=burst)
+        state = released(state, reach)
       for burst in bursts:
         state, _, _ = engine.step(state, reach, no_drafts, drafts=drafts, decode_steps=burst)
       if ec.native_mtp:
@@ -380,5 +388,4 @@ def warm_up(engine: DecodeEngine) -> None:
           state = engine.detach(state, int(slot))
         for burst in bursts:
           state, _, _ = engine.step(state, reach, no_drafts, drafts=drafts, decode_steps=burst)
-    for slot in np.flatnonzero(reach):
-      state = engine.free(state, int(slot))
+    state = released(state, reach)

@@ -81,7 +81,7 @@ class LiveRequest:
   verified_at: list = dataclasses.field(default_factory=list)
   accepted_at: list = dataclasses.field(default_factory=list)
   detached: bool = False          # it never drafts again (`Engine.detach`)
-  launched: int = 0               # tokens of steps launched over it and not yet landed
+  launched: int = 0               # steps in flight over it, a token each at least
 
   @property
   def drafting(self) -> bool:

@@ -317,28 +317,29 @@ class SlotScheduler:
       drafts, windows = self._host_drafts(windows)
       drafted = any(windows)
     self.window_in_use = sum(windows) / sum(occupied)
-    # The rows each step of a burst may write a slot: its verify rows, at the window bucket.
-    rows = self.engine.engine_cfg.window_bucket(np.array(windows), active) + 1
-    burst = self._burst(due, max_len, rows)
+    drafting = np.array(windows, np.int32)
+    burst = self._burst(due, max_len, drafting if drafted else None, active)
     self.state, pending = self.engine.launch(
-        self.state, active, np.array(windows, np.int32), drafts=drafts, logprobs=wants,
-        decode_steps=burst)
+        self.state, active, drafting, drafts=drafts, logprobs=wants, decode_steps=burst)
     for live in due:
       if live is not None:
         live.launched += burst
     return _Launched(pending, due, windows, drafted, started, burst)
 
-  def _burst(self, due: list, max_len: int, rows: int) -> int:
-    """The steps this dispatch runs, each writing up to `rows` rows a slot: the engine's burst
-    while no prompt is being prefilled or waits beside a free slot (for pages), whose first
-    token a burst would delay, and every slot it computes has tokens left for all of them
-    beyond those in flight (a request's last few run a step at a time, so no row is written
-    past its pages), else 1."""
+  def _burst(self, due: list, max_len: int, windows: np.ndarray | None,
+             active: np.ndarray) -> int:
+    """The steps this dispatch runs (`windows`: the slots' draft windows of a drafting step):
+    the engine's burst while no prompt is being prefilled or waits beside a free slot (for
+    pages), whose first token a burst would delay, and every slot it computes has tokens left
+    for all their rows beyond those in flight (a request's last few run a step at a time, so
+    no row is written past its pages), else 1."""
     burst = self.engine.decode_burst
-    if (burst > 1 and self.prefilling is None
-        and not (self.waiting and None in self.slots)
-        and all(live is None or live.tokens_left(max_len) - live.launched >= burst * rows
-                for live in due)):
+    if burst == 1 or self.prefilling is not None or (self.waiting and None in self.slots):
+      return 1
+    # The rows a step may write a slot: its verify rows at the window bucket, or one.
+    rows = 1 if windows is None else self.engine.engine_cfg.window_bucket(windows, active) + 1
+    if all(live is None or live.tokens_left(max_len) - live.launched >= burst * rows
+           for live in due):
       return burst
     return 1
 
