@@ -12,6 +12,7 @@ import contextlib
 import io
 import pathlib
 import re
+import shutil
 import subprocess
 import tempfile
 
@@ -41,6 +42,7 @@ class DemoServerTest(absltest.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     cls.tmp = tempfile.mkdtemp(prefix="mtpjax-demo-server-")
+    cls.addClassCleanup(shutil.rmtree, cls.tmp, ignore_errors=True)
     cls.server = ServerProcess(cls.tmp, pathlib.Path(cls.tmp) / "server.log", tiny=False)
     try:
       cls.url = cls.server.wait_ready()

@@ -10,6 +10,7 @@ import concurrent.futures
 import json
 import os
 import pathlib
+import shutil
 import signal
 import tempfile
 import threading
@@ -135,6 +136,7 @@ class GracefulShutdownTest(absltest.TestCase):
 
   def test_sigterm_with_sixteen_streams_in_flight(self):
     tmp = tempfile.mkdtemp(prefix="mtpjax-shutdown-test-")
+    self.addCleanup(shutil.rmtree, tmp, ignore_errors=True)   # after the server stops
     server = server_test.ServerProcess(
         tmp, pathlib.Path(tmp) / "server.log", "--config.engine.max_len=8192",
         "--config.engine.slots=2", f"--config.server.shutdown_timeout_s={self.SHUTDOWN_S}")

@@ -66,7 +66,8 @@ class SyntheticGgufTest(parameterized.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.tmp = pathlib.Path(tempfile.mkdtemp(prefix="synthetic_tools_test."))
+    cls.tmp = pathlib.Path(
+        cls.enterClassContext(tempfile.TemporaryDirectory(prefix="synthetic_tools_test.")))
     cls.paths = {}
     for name, _ in FAMILIES:
       cls.paths[name] = cls.tmp / f"{name}.gguf"
@@ -130,7 +131,8 @@ class BenchMemoryTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_memory_test."))
+    cls.tmp = pathlib.Path(
+        cls.enterClassContext(tempfile.TemporaryDirectory(prefix="bench_memory_test.")))
     path = cls.tmp / "air.gguf"
     write_synthetic_gguf(path, small("glm-4.5-air"), 2, tensor_type="F16")
     model = mtpjax.load(str(path), dtype="float32", **_dense_kwargs())
