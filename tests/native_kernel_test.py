@@ -279,6 +279,23 @@ print("portable ok")
 """
 
 
+# A fresh process built for AVX2 alone (no VNNI, no AVX-512: int8 rows in passes of 4, maddubs
+# then madd): its int8 products of 8 rows, which this CPU's build may run through VNNI's fused
+# multiply-adds in one pass of 8.
+_AVX2_INT8 = """
+import numpy as np, jax.numpy as jnp
+from mtpjax.kernels import native
+assert native.available()
+data = np.load({inputs!r})
+out = {{}}
+for name in {types!r}:
+  fields = [jnp.asarray(data[f"{{name}}/{{i}}"]) for i in range(int(data[f"{{name}}/n"]))]
+  out[name] = np.asarray(native.quant_matvec(jnp.asarray(data["x"]), jnp.asarray(data["ids"]),
+                                             name, fields, True))
+np.savez({outputs!r}, **out)
+"""
+
+
 class NativeBuildTest(absltest.TestCase):
   """Fresh processes, since a process builds and registers the kernel once."""
 
@@ -298,6 +315,29 @@ class NativeBuildTest(absltest.TestCase):
     self.assertIn(machine, ("x86_64", "aarch64", "arm64"))
     arch = "x86-64" if machine == "x86_64" else "armv8-a"
     self.assertIn("portable ok", self._run_fresh(_PORTABLE_CHECK, MTPJAX_NATIVE_MARCH=arch).stdout)
+
+  def test_an_avx2_build_gives_the_same_int8_products_bit_for_bit(self):
+    # Integer sums are the same whichever instructions add them, and a row's float arithmetic
+    # does not depend on how many rows a pass keeps: so VNNI builds and passes of 8 rows (where
+    # this CPU has them) equal the AVX2 build's passes of 4, which a CPU without them runs.
+    if os.uname().machine != "x86_64":
+      self.skipTest("AVX2 builds are x86's")
+    x = np.random.default_rng(21).standard_normal((19, 512)).astype(np.float32)
+    ids = np.random.default_rng(22).integers(0, 2, len(x)).astype(np.int32)
+    with tempfile.TemporaryDirectory() as out:
+      arrays = {"x": x, "ids": ids}
+      here = {}
+      for type_name in _INT8_TYPES:
+        _, fields = _tensor(type_name, (2, 96, 512), seed=23, max_scale=0.01)
+        arrays[f"{type_name}/n"] = np.array(len(fields))
+        arrays.update({f"{type_name}/{i}": np.asarray(f) for i, f in enumerate(fields)})
+        here[type_name] = _call(x, ids, type_name, fields, True)
+      np.savez(f"{out}/in.npz", **arrays)
+      self._run_fresh(_AVX2_INT8.format(inputs=f"{out}/in.npz", types=_INT8_TYPES,
+                                        outputs=f"{out}/avx2.npz"), MTPJAX_NATIVE_MARCH="haswell")
+      avx2 = np.load(f"{out}/avx2.npz")
+      for type_name in _INT8_TYPES:
+        np.testing.assert_array_equal(avx2[type_name], here[type_name], err_msg=type_name)
 
   def test_no_compiler_falls_back_with_a_warning(self):
     available, log = self._available_in_a_fresh_process(CXX="/bin/false")

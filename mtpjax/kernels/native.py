@@ -30,8 +30,8 @@ import numpy as np
 
 _HERE = pathlib.Path(__file__).parent
 _UNITS = (_HERE / "quant_matvec.cc", _HERE / "paged_attention.cc")   # compiled into one library
-_SOURCES = (*_UNITS, *(_HERE / h for h in (
-    "quant_product.h", "quant_blocks.h", "shared_tasks.h", "simd_math.h")))   # built from
+_SOURCES = (*_UNITS, *(_HERE / h for h in (   # built from
+    "quant_product.h", "int8_rows.h", "quant_blocks.h", "shared_tasks.h", "simd_math.h")))
 _TARGET = "mtpjax_quant_matvec"
 _SWIGLU_TARGET = "mtpjax_quant_swiglu"
 _ATTENTION_TARGET = "mtpjax_paged_attention"

@@ -338,6 +338,62 @@ inline int simd_runs(int t, const Field* f, int64_t b, Run* runs) {
 
 
 
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+// AVX-512's integer multiplies run on two ports at 512 bits (one at 256 on the same core), so
+// K-quant blocks multiply as pairs of runs: runs 2p and 2p + 1 in one 64-byte register.
+#define MTPJAX_AVX512 1
+
+// Lane picks of Q6_K's 16 sub-block scales (as 16-bit values) for run pair p: scales 4p,
+// 4p + 1 (run 2p), 4p + 2, 4p + 3 (run 2p + 1), 8 lanes each.
+alignas(64) constexpr int16_t kPairScales[4][32] = {
+    {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+     2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+    {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5,
+     6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+    {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9,
+     10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+    {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13,
+     14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}};
+
+inline __m512i twice(const uint8_t* p) {   // 32 bytes in both halves
+  return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// Shifts each 16-bit lane of the low half by `low`, of the high half by `high` (to the right
+// where `right`).
+inline __m512i shift_halves(__m512i v, int low, int high, bool right) {
+  __m512i counts = _mm512_inserti64x4(_mm512_set1_epi16(short(low)),
+                                      _mm256_set1_epi16(short(high)), 1);
+  return right ? _mm512_srlv_epi16(v, counts) : _mm512_sllv_epi16(v, counts);
+}
+
+// Runs 2p and 2p + 1 (p 0-3) of a Q6_K block as unsigned 6-bit values (q6_run's, side by
+// side): low nibbles of ql[64g .. 64g + 63] for even p, high ones for odd p (g = p / 2), and
+// crumbs s = 2 (p % 2) and s + 1 of qh[32g + i].
+inline __m512i q6_pair(const uint8_t* ql, const uint8_t* qh, int p) {
+  int g = p >> 1;
+  __m512i low = _mm512_loadu_si512(ql + 64 * g);
+  if (p & 1) low = _mm512_srli_epi16(low, 4);
+  __m512i high = (p & 1) ? shift_halves(twice(qh + 32 * g), 0, 2, true)
+                         : shift_halves(twice(qh + 32 * g), 4, 2, false);
+  return _mm512_or_si512(_mm512_and_si512(low, _mm512_set1_epi8(0x0F)),
+                         _mm512_and_si512(high, _mm512_set1_epi8(0x30)));
+}
+
+// Runs 2p and 2p + 1 of a Q4_K / Q5_K block (k_run's, side by side): the low and high nibbles
+// of qs[32p .. 32p + 31], with Q5_K's fifth bits 2p and 2p + 1.
+inline __m512i k_pair(const KBlock& kb, int p) {
+  __m512i q = _mm512_and_si512(shift_halves(twice(kb.qs + 32 * p), 0, 4, true),
+                               _mm512_set1_epi8(0x0F));
+  if (kb.five) {
+    __m512i qh = _mm512_broadcast_i64x4(kb.qh);
+    __m512i bit = _mm512_and_si512(shift_halves(qh, 2 * p, 2 * p + 1, true),
+                                   _mm512_set1_epi8(1));
+    q = _mm512_or_si512(q, _mm512_slli_epi16(bit, 4));
+  }
+  return q;
+}
+#endif
+
 inline float horizontal_sum(__m256 a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -8,8 +8,9 @@
 // - float32 rows: each 32-value run's integers times the row, the run's scales applied to the
 //   partial sums (s * sum(q x) - m * sum(x)); a unit row reads gguf-py's value exactly;
 // - int8 rows (`int8_x`): each row rounded per block to int8 and a scale, multiplied as
-//   integers (maddubs / madd), as llama.cpp does: the exact weights' product with the row
-//   rounded as llama.cpp's Q8 vectors round and keep it;
+//   integers (maddubs / madd, or VNNI's fused forms; K-quants two runs a 512-bit register
+//   with AVX-512), as llama.cpp does: the exact weights' product with the row rounded as
+//   llama.cpp's Q8 vectors round and keep it;
 // - without AVX2, and for Q2_K / Q3_K: the block's float32 values (`dequantize_block`).
 // A row's arithmetic is fixed, so its result does not depend on the other rows of the call or
 // on the thread count.
@@ -22,6 +23,7 @@
 #include <cstring>
 #include <vector>
 
+#include "int8_rows.h"
 #include "quant_blocks.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -36,6 +38,9 @@ constexpr int kChunkRows = 32;
 // Rows of x a chunk multiplies (a tile of its group): a tile's int8 rows (32 x K bytes) and a
 // chunk's blocks stay in a core's L2 while every output row of the chunk reads them.
 constexpr int kTileRows = 32;
+// K-quant blocks ahead that a pass prefetches (every cache line of each field): against 8 rows
+// a block's arithmetic outlasts what the hardware prefetcher fetches ahead on its own.
+constexpr int kPrefetchBlocks = 4;
 
 
 // Whether `type` takes the AVX2 paths in this build (runs of integers; its int8 rows then
@@ -51,7 +56,46 @@ constexpr bool simd_type(int type) {
 #ifdef MTPJAX_SIMD
 // Keeps `v` in a register here: GCC otherwise reassociates a block's 32 products of four rows
 // into trees, computing them all first and spilling them (about 2x the instructions).
+// ("v": any of AVX-512's 32 registers, "x": the first 16, all AVX2 has.)
+#ifdef __AVX512VL__
+inline void in_register(__m256i& v) { __asm__("" : "+v"(v)); }
+inline void in_register(__m512i& v) { __asm__("" : "+v"(v)); }
+#else
 inline void in_register(__m256i& v) { __asm__("" : "+x"(v)); }
+#endif
+
+// Int8 rows a pass keeps accumulators for: 8 with AVX-512's 32 vector registers (a block is
+// unpacked once for the 8 rows of a decode step over 8 slots), else 4. Float32 rows keep 4
+// accumulators a row, so they pass 4 at a time everywhere.
+#ifdef __AVX512VL__
+constexpr int kPassRows = 8;
+#else
+constexpr int kPassRows = 4;
+#endif
+
+// sums + madd(a, b) (16-bit pairs multiplied and added into int32 lanes): one instruction
+// where the CPU has VNNI, the same integers.
+inline __m256i madd_add(__m256i sums, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(sums, a, b);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(sums, a, b);
+#else
+  return _mm256_add_epi32(sums, _mm256_madd_epi16(a, b));
+#endif
+}
+
+// The int32 sums of each 4 products of unsigned `u` and signed `v` bytes: one instruction
+// with VNNI, else maddubs then madd (which never saturates here: |u| <= 128, |v| <= 127).
+inline __m256i quad_sums(__m256i u, __m256i v) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, v);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+#endif
+}
 #endif
 
 // One product's plan: rows of x against one tensor's matrices, into y.
@@ -66,14 +110,14 @@ struct Work {
   // tile_start[t + 1]) of group tile_group[t]).
   std::vector<int> order, starts, matrix, tile_start, tile_group;
   int64_t chunks_per_tile = 0, total_chunks = 0;
-  // int8 activations (`int8_x`): each row of x rounded per weight block to int8 times a
-  // scale, and for the types with a min the sums of each 32 rounded values, in the bits
-  // llama.cpp's Q8 vectors keep (`quantize_rows`): a result is then llama.cpp's product of
-  // the weights with the rounded row. Blocks multiply as integers.
+  // float32 rows of the types with a min: the sums of each 32 values of every row
+  std::vector<float> xsum;
+  // int8 activations (`int8_x`): the rows rounded as llama.cpp rounds them (`Int8Rows`), so a
+  // result is llama.cpp's product of the weights with the rounded row.
   bool int8_x = false;
-  std::vector<int8_t> xq;
-  std::vector<float> xscale, xsum;
-  std::vector<int16_t> xbsum;   // [R, K / 16] sums of the int8 values (Q6_K)
+#ifdef MTPJAX_SIMD
+  Int8Rows x8;
+#endif
 
   void run_task(int64_t chunk) {
     int64_t t = chunk / chunks_per_tile;
@@ -96,8 +140,7 @@ struct Work {
     }
   }
 
-  // The float sums of each 32 values of every row (the mins' term), xsum [R, K / 32]
-  // (`quantize_rows` replaces them by the rounded rows' sums).
+  // The float sums of each 32 values of every row (the mins' term), xsum [R, K / 32].
   void sum_rows() {
     xsum.resize(rows * width / 32);
     for (int64_t g = 0; g < rows * width / 32; ++g) {
@@ -107,47 +150,6 @@ struct Work {
     }
   }
 
-  static int int8_sum(const int8_t* v, int n) {
-    int sum = 0;
-    for (int i = 0; i < n; ++i) sum += v[i];
-    return sum;
-  }
-
-  // x rounded per block of the weight type to int8 times xscale [R, K / block], as llama.cpp
-  // rounds it: 32-value blocks as Q8_0 / Q8_1 (scale amax / 127 and, for Q4_1 / Q5_1, the
-  // block's sum in float16), 256-value blocks as Q8_K (scale 1 / (127 / amax) in float32);
-  // for Q6_K (whose offset of 32 they take off) xbsum [R, K / 16], the sums of the int8 values.
-  void quantize_rows() {
-    int block = kBlock[type];
-    int64_t groups = width / block;
-    xq.resize(rows * width);
-    xscale.resize(rows * groups);
-    if (kHasMin[type]) xsum.resize(rows * width / 32);
-    for (int64_t g = 0; g < rows * groups; ++g) {
-      const float* v = x + g * block;
-      float amax = 0.0f;
-      for (int i = 0; i < block; ++i) amax = std::max(amax, std::fabs(v[i]));
-      float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-      for (int i = 0; i < block; ++i) xq[g * block + i] = int8_t(std::nearbyint(v[i] * inverse));
-      if (block == 32) {   // Q8_0 / Q8_1: the scale, and the sum of the row's values, in float16
-        xscale[g] = round_to_half(amax / 127.0f);
-        if (kHasMin[type]) {
-          xsum[g] = round_to_half(amax / 127.0f * float(int8_sum(&xq[g * 32], 32)));
-        }
-      } else {             // Q8_K: the float32 inverse of the multiplier
-        xscale[g] = amax > 0.0f ? 1.0f / inverse : 0.0f;
-      }
-    }
-    if (kHasMin[type] && block != 32) {   // Q4_K, Q5_K: the mins' term reads 32-value sums
-      for (int64_t g = 0; g < rows * width / 32; ++g) {
-        xsum[g] = xscale[g * 32 / block] * float(int8_sum(&xq[g * 32], 32));
-      }
-    }
-    if (type != Q6_K) return;
-    xbsum.resize(rows * width / 16);
-    for (int64_t g = 0; g < rows * width / 16; ++g) xbsum[g] = int16_t(int8_sum(&xq[g * 16], 16));
-  }
-
 #ifdef MTPJAX_SIMD
   // int8 rows, 32-value blocks: each block's integers times each row's int8 values, scaled by
   // the block's and the row's scales, into one accumulator a row and output row (as llama.cpp
@@ -155,59 +157,76 @@ struct Work {
   template <int T, int count, int outs>
   void small_block_rows_of(int64_t first, const int* group, int64_t n) {
     constexpr bool nonneg = kHasMin[T];
+    const int64_t position = group - order.data();
     __m256 acc[outs][count];
     float mins[outs][count];
-    const int8_t* xr[count];
-    const float* xd[count];
-    #pragma GCC unroll 4
+    #pragma GCC unroll 8
     for (int r = 0; r < count; ++r) {
-      xr[r] = xq.data() + group[r] * width;
-      xd[r] = xscale.data() + group[r] * blocks_per_row;
-      #pragma GCC unroll 4
+      #pragma GCC unroll 8
       for (int o = 0; o < outs; ++o) {
         acc[o][r] = _mm256_setzero_ps();
         mins[o][r] = 0.0f;
       }
     }
     for (int64_t b = 0; b < blocks_per_row; ++b) {
-      #pragma GCC unroll 4
+      int64_t record = x8.record(b, position);   // row r's: record + r
+      const int8_t* xb = x8.q.data() + record * 32;
+      #pragma GCC unroll 8
       for (int o = 0; o < outs; ++o) {
         Run run;
         simd_runs(T, fields, first + o * blocks_per_row + b, &run);
         __m256i magnitude = nonneg ? run.q : _mm256_sign_epi8(run.q, run.q);
-        #pragma GCC unroll 4
+        #pragma GCC unroll 8
         for (int r = 0; r < count; ++r) {
-          __m256i xv = load32(reinterpret_cast<const uint8_t*>(xr[r] + b * 32));
-          __m256i pairs =
-              _mm256_maddubs_epi16(magnitude, nonneg ? xv : _mm256_sign_epi8(xv, run.q));
-          __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-          acc[o][r] = _mm256_fmadd_ps(sums, _mm256_set1_ps(run.s0 * xd[r][b]), acc[o][r]);
-          if (nonneg) mins[o][r] += run.m * xsum[group[r] * blocks_per_row + b];
+          __m256i xv = load32(reinterpret_cast<const uint8_t*>(xb + 32 * r));
+          __m256 sums = _mm256_cvtepi32_ps(
+              quad_sums(magnitude, nonneg ? xv : _mm256_sign_epi8(xv, run.q)));
+          acc[o][r] = _mm256_fmadd_ps(sums, _mm256_set1_ps(run.s0 * x8.scale[record + r]),
+                                      acc[o][r]);
+          if (nonneg) mins[o][r] += run.m * x8.sum32[record + r];
         }
       }
     }
-    #pragma GCC unroll 4
+    #pragma GCC unroll 8
     for (int o = 0; o < outs; ++o) {
-      #pragma GCC unroll 4
+      #pragma GCC unroll 8
       for (int r = 0; r < count; ++r) {
         y[group[r] * out_rows + n + o] = horizontal_sum(acc[o][r]) - mins[o][r];
       }
     }
   }
 
-  // Run k's unsigned integers `q` times each row's int8 values, weighted by the run's 16-bit
-  // sub-block scales, added to the rows' int32 sums (under 2^24 a lane).
+  // Run k's unsigned integers `q` times each row's int8 values (row r's block at xb + 256 r),
+  // weighted by the run's 16-bit sub-block scales, added to the rows' int32 sums (under 2^24 a
+  // lane).
   template <int count>
-  static void add_run(__m256i q, __m256i scale, const int8_t* const* xr, int k,
-                      __m256i* sums) {
-    #pragma GCC unroll 4
+  static void add_run(__m256i q, __m256i scale, const int8_t* xb, int k, __m256i* sums) {
+    #pragma GCC unroll 8
     for (int r = 0; r < count; ++r) {
-      __m256i xv = load32(reinterpret_cast<const uint8_t*>(xr[r] + 32 * k));
-      sums[r] = _mm256_add_epi32(sums[r],
-                                 _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), scale));
+      __m256i xv = load32(reinterpret_cast<const uint8_t*>(xb + 256 * r + 32 * k));
+      sums[r] = madd_add(sums[r], _mm256_maddubs_epi16(q, xv), scale);
       in_register(sums[r]);
     }
   }
+
+#ifdef MTPJAX_AVX512
+  // add_run for runs 2p and 2p + 1 side by side (`q6_pair`, `k_pair`) into 16 lanes a row.
+  template <int count>
+  static void add_run_pair(__m512i q, __m512i scale, const int8_t* xb, int p, __m512i* sums) {
+    #pragma GCC unroll 8
+    for (int r = 0; r < count; ++r) {
+      __m512i xv = _mm512_loadu_si512(xb + 256 * r + 64 * p);
+      sums[r] = _mm512_dpwssd_epi32(sums[r], _mm512_maddubs_epi16(q, xv), scale);
+      in_register(sums[r]);
+    }
+  }
+
+  // A row's 16 pair lanes folded to add_run's 8: lanes m and m + 8 hold values 4m .. 4m + 3 of
+  // runs 2p and 2p + 1, so lane m gets the integers add_run gives it.
+  static __m256i folded(__m512i wide) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(wide), _mm512_extracti64x4_epi64(wide, 1));
+  }
+#endif
 
   // The same for K-quants (256-value blocks, one x scale a block). Each run's integers are
   // unpacked once and multiplied into every row as they come (`add_run`; unsigned, so Q6_K's
@@ -217,20 +236,36 @@ struct Work {
   template <int T, int count>
   void kquant_rows_of(int64_t first, const int* group, int64_t n) {
     constexpr bool six = T == Q6_K, five = T == Q5_K;
+    const int64_t position = group - order.data();
     __m256 acc[count], mins[count];
+#ifdef MTPJAX_AVX512
+    __m512i sums[count];   // 16 lanes a row, folded to add_run's 8 at the block's end
+#else
     __m256i sums[count];
-    const int8_t* xr[count];
-    #pragma GCC unroll 4
+#endif
+    #pragma GCC unroll 8
     for (int r = 0; r < count; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks_per_row; ++b) {
       int64_t block = first + b;
-      #pragma GCC unroll 4
-      for (int r = 0; r < count; ++r) {
-        sums[r] = _mm256_setzero_si256();
-        xr[r] = xq.data() + (group[r] * blocks_per_row + b) * 256;
+      #pragma GCC unroll 6
+      for (int i = 0; i < kFields[T]; ++i) {   // a hint: past the end it reads nothing
+        const char* ahead = reinterpret_cast<const char*>(at(fields[i], block + kPrefetchBlocks));
+        _mm_prefetch(ahead, _MM_HINT_T0);
+        if (fields[i].block_bytes > 64) _mm_prefetch(ahead + 64, _MM_HINT_T0);   // Q4_K, Q6_K's 128
       }
+      #pragma GCC unroll 8
+      for (int r = 0; r < count; ++r) {
+#ifdef MTPJAX_AVX512
+        sums[r] = _mm512_setzero_si512();
+#else
+        sums[r] = _mm256_setzero_si256();
+#endif
+      }
+      int64_t record = x8.record(b, position);   // row r's: record + r
+      const int8_t* xb = x8.q.data() + record * 256;
       float d;
       __m256 dmins = _mm256_setzero_ps();
+      __m256i all_scales = _mm256_setzero_si256();   // Q6_K's 16, as 16-bit values
       if (six) {
         const uint8_t* ql = at(fields[0], block);
         const uint8_t* qhp = at(fields[1], block);
@@ -238,41 +273,64 @@ struct Work {
         __m128i scales = _mm_xor_si128(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(at(fields[2], block))),
             _mm_set1_epi8(char(0x80)));
-        // the offset: 32 x the scales' products with the rows' 16-value sums of x
-        __m256i all_scales = _mm256_cvtepi8_epi16(scales);
+        all_scales = _mm256_cvtepi8_epi16(scales);
+#ifdef MTPJAX_AVX512
         #pragma GCC unroll 4
-        for (int r = 0; r < count; ++r) {
-          __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-              xbsum.data() + (group[r] * blocks_per_row + b) * 16));
-          __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(bsums, all_scales), 5);
-          sums[r] = _mm256_sub_epi32(sums[r], offset);
+        for (int p = 0; p < 4; ++p) {
+          add_run_pair<count>(q6_pair(ql, qhp, p), _mm512_permutexvar_epi16(
+              _mm512_load_si512(kPairScales[p]), _mm512_castsi256_si512(all_scales)),
+              xb, p, sums);
         }
+#else
         #pragma GCC unroll 8
         for (int k = 0; k < 8; ++k) {
           add_run<count>(q6_run(ql, qhp, k), _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
               scales, _mm_load_si128(reinterpret_cast<const __m128i*>(kScalePairs[k])))),
-              xr, k, sums);
+              xb, k, sums);
         }
+#endif
       } else {
         KBlock kb = k_block(fields, block, five);
         d = kb.d;
+#ifdef MTPJAX_AVX512
+        #pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) {
+          add_run_pair<count>(k_pair(kb, p), _mm512_inserti64x4(
+              _mm512_set1_epi16(short(kb.sc[2 * p])), _mm256_set1_epi16(short(kb.sc[2 * p + 1])),
+              1), xb, p, sums);
+        }
+#else
         #pragma GCC unroll 8
         for (int k = 0; k < 8; ++k) {
-          add_run<count>(k_run(kb, k), _mm256_set1_epi16(short(kb.sc[k])), xr, k, sums);
+          add_run<count>(k_run(kb, k), _mm256_set1_epi16(short(kb.sc[k])), xb, k, sums);
         }
+#endif
         __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(kb.mn));
         dmins = _mm256_mul_ps(_mm256_set1_ps(kb.dmin),
                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8)));
       }
-      #pragma GCC unroll 4
+      #pragma GCC unroll 8
       for (int r = 0; r < count; ++r) {
-        int64_t g = group[r] * blocks_per_row + b;
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_set1_ps(d * xscale[g]),
-                                 acc[r]);
-        if (!six) mins[r] = _mm256_fmadd_ps(dmins, _mm256_loadu_ps(xsum.data() + g * 8), mins[r]);
+#ifdef MTPJAX_AVX512
+        __m256i lanes = folded(sums[r]);
+#else
+        __m256i lanes = sums[r];
+#endif
+        if (six) {   // Q6_K's offset: 32 x the scales' products with the row's 16-value sums
+          __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+              x8.sum16.data() + (record + r) * 16));
+          lanes = _mm256_sub_epi32(lanes,
+                                   _mm256_slli_epi32(_mm256_madd_epi16(bsums, all_scales), 5));
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes),
+                                 _mm256_set1_ps(d * x8.scale[record + r]), acc[r]);
+        if (!six) {
+          mins[r] = _mm256_fmadd_ps(dmins, _mm256_loadu_ps(x8.sum32.data() + (record + r) * 8),
+                                    mins[r]);
+        }
       }
     }
-    #pragma GCC unroll 4
+    #pragma GCC unroll 8
     for (int r = 0; r < count; ++r) {
       y[group[r] * out_rows + n] = horizontal_sum(acc[r]) - horizontal_sum(mins[r]);
     }
@@ -331,8 +389,8 @@ struct Work {
     }
   }
   // Output rows n .. n + outs - 1 for the rows of a group, by type and path. Rows go through in
-  // fours or fewer, each count its own compiled copy with its accumulators in registers; a
-  // row's arithmetic is the same in every copy.
+  // passes of kPassRows (int8) or 4 (float32) or fewer, each count its own compiled copy with
+  // its accumulators in registers; a row's arithmetic is the same in every copy.
   template <bool kInt8, int T, int count, int outs = 1>
   void rows_of(int64_t first, const int* group, int64_t n) {
     if constexpr (!kInt8) {
@@ -359,15 +417,20 @@ struct Work {
         return 2;
       }
     }
-    for (int r = 0; r < count; r += 4) {
-      switch (std::min(4, count - r)) {
-        case 1: rows_of<kInt8, T, 1>(first, group + r, n); break;
-        case 2: rows_of<kInt8, T, 2>(first, group + r, n); break;
-        case 3: rows_of<kInt8, T, 3>(first, group + r, n); break;
-        default: rows_of<kInt8, T, 4>(first, group + r, n); break;
-      }
+    constexpr int pass = kInt8 ? kPassRows : 4;
+    for (int r = 0; r < count; r += pass) {
+      rows_by_count<kInt8, T, pass>(std::min(pass, count - r), first, group + r, n);
     }
     return 1;
+  }
+
+  // rows_of's copy for `count` (1 .. most) rows.
+  template <bool kInt8, int T, int most, int c = 1>
+  void rows_by_count(int count, int64_t first, const int* group, int64_t n) {
+    if constexpr (c < most) {
+      if (count > c) return rows_by_count<kInt8, T, most, c + 1>(count, first, group, n);
+    }
+    rows_of<kInt8, T, c>(first, group, n);
   }
 
   template <bool kInt8>
@@ -466,11 +529,10 @@ struct Work {
     // Rows are rounded only where the integer paths read them, and summed only for the float32
     // paths that read the sums; `dequantize_block`'s path reads x alone.
     int8_x = int8 && simd_type(type);
-    if (int8_x) {
-      quantize_rows();
-    } else if (kHasMin[type] && simd_type(type)) {
-      sum_rows();
-    }
+#ifdef MTPJAX_SIMD
+    if (int8_x) x8.round(type, x, width, order);
+#endif
+    if (!int8_x && kHasMin[type] && simd_type(type)) sum_rows();
     plan_chunks();
     return ffi::Error::Success();
   }
