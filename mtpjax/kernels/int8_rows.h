@@ -58,7 +58,9 @@ struct Int8Rows {
         }
         scale[r] = amax > 0.0f ? 1.0f / inverse : 0.0f;
         if (kHasMin[type]) {
-          for (int j = 0; j < 8; ++j) sum32[r * 8 + j] = scale[r] * float(sum(rounded + 32 * j, 32));
+          for (int j = 0; j < 8; ++j) {
+            sum32[r * 8 + j] = scale[r] * float(sum(rounded + 32 * j, 32));
+          }
         }
         if (type == Q6_K) {
           for (int j = 0; j < 16; ++j) sum16[r * 16 + j] = int16_t(sum(rounded + 16 * j, 16));

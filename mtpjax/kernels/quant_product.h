@@ -38,8 +38,9 @@ constexpr int kChunkRows = 32;
 // Rows of x a chunk multiplies (a tile of its group): a tile's int8 rows (32 x K bytes) and a
 // chunk's blocks stay in a core's L2 while every output row of the chunk reads them.
 constexpr int kTileRows = 32;
-// K-quant blocks ahead that a pass prefetches (every cache line of each field): against 8 rows
-// a block's arithmetic outlasts what the hardware prefetcher fetches ahead on its own.
+// K-quant blocks ahead that a pass prefetches (each field's block: its first cache line, and
+// the second of Q4_K / Q5_K / Q6_K's 128 bytes of values): against 8 rows a block's arithmetic
+// outlasts what the hardware prefetcher fetches ahead on its own.
 constexpr int kPrefetchBlocks = 4;
 
 
@@ -251,7 +252,7 @@ struct Work {
       for (int i = 0; i < kFields[T]; ++i) {   // a hint: past the end it reads nothing
         const char* ahead = reinterpret_cast<const char*>(at(fields[i], block + kPrefetchBlocks));
         _mm_prefetch(ahead, _MM_HINT_T0);
-        if (fields[i].block_bytes > 64) _mm_prefetch(ahead + 64, _MM_HINT_T0);   // Q4_K, Q6_K's 128
+        if (fields[i].block_bytes > 64) _mm_prefetch(ahead + 64, _MM_HINT_T0);
       }
       #pragma GCC unroll 8
       for (int r = 0; r < count; ++r) {
