@@ -279,9 +279,9 @@ print("portable ok")
 """
 
 
-# A fresh process built for AVX2 alone (no VNNI, no AVX-512: int8 rows in passes of 4, maddubs
-# then madd): its int8 products of 8 rows, which this CPU's build may run through VNNI's fused
-# multiply-adds in one pass of 8.
+# A fresh process built for AVX2 alone (no VNNI, no AVX-512: 256-bit runs, maddubs then madd):
+# its int8 products, which this CPU's build may make with VNNI's fused multiply-adds and
+# K-quant runs in 512-bit pairs.
 _AVX2_INT8 = """
 import numpy as np, jax.numpy as jnp
 from mtpjax.kernels import native
@@ -317,9 +317,10 @@ class NativeBuildTest(absltest.TestCase):
     self.assertIn("portable ok", self._run_fresh(_PORTABLE_CHECK, MTPJAX_NATIVE_MARCH=arch).stdout)
 
   def test_an_avx2_build_gives_the_same_int8_products_bit_for_bit(self):
-    # Integer sums are the same whichever instructions add them, and a row's float arithmetic
-    # does not depend on how many rows a pass keeps: so VNNI builds and passes of 8 rows (where
-    # this CPU has them) equal the AVX2 build's passes of 4, which a CPU without them runs.
+    # Integer sums are the same whichever instructions add them (the pairs' 16 lanes fold to
+    # the runs' 8), and a row's float arithmetic is the same: so VNNI and AVX-512 builds (where
+    # this CPU has them) equal the AVX2 build, which a CPU without them runs. 19 rows over two
+    # matrices (12 and 7: passes of 8, 4 and 7 rows).
     if os.uname().machine != "x86_64":
       self.skipTest("AVX2 builds are x86's")
     x = np.random.default_rng(21).standard_normal((19, 512)).astype(np.float32)
