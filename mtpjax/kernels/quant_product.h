@@ -71,6 +71,19 @@ inline void in_register(__m256i& v) { __asm__("" : "+x"(v)); }
 // of 4 for the head). Float32 rows keep 4 accumulators a row, so they pass 4 at a time.
 constexpr int kPassRows = 8;
 
+// A row's int32 sums of a K-quant block, and their 8 lanes as add_run adds them: with AVX-512
+// runs go in pairs (add_run_pair) into 16 lanes, and lanes m and m + 8 hold values
+// 4m .. 4m + 3 of runs 2p and 2p + 1, so folding them gives lane m add_run's integers.
+#ifdef MTPJAX_AVX512
+using RunSums = __m512i;
+inline __m256i folded(__m512i wide) {
+  return _mm256_add_epi32(_mm512_castsi512_si256(wide), _mm512_extracti64x4_epi64(wide, 1));
+}
+#else
+using RunSums = __m256i;
+inline __m256i folded(__m256i lanes) { return lanes; }
+#endif
+
 // sums + madd(a, b) (16-bit pairs multiplied and added into int32 lanes): one instruction
 // where the CPU has VNNI, the same integers.
 inline __m256i madd_add(__m256i sums, __m256i a, __m256i b) {
@@ -218,12 +231,6 @@ struct Work {
       in_register(sums[r]);
     }
   }
-
-  // A row's 16 pair lanes folded to add_run's 8: lanes m and m + 8 hold values 4m .. 4m + 3 of
-  // runs 2p and 2p + 1, so lane m gets the integers add_run gives it.
-  static __m256i folded(__m512i wide) {
-    return _mm256_add_epi32(_mm512_castsi512_si256(wide), _mm512_extracti64x4_epi64(wide, 1));
-  }
 #endif
 
   // The same for K-quants (256-value blocks, one x scale a block). Each run's integers are
@@ -236,11 +243,7 @@ struct Work {
     constexpr bool six = T == Q6_K, five = T == Q5_K;
     const int64_t position = group - order.data();
     __m256 acc[count], mins[count];
-#ifdef MTPJAX_AVX512
-    __m512i sums[count];   // 16 lanes a row, folded to add_run's 8 at the block's end
-#else
-    __m256i sums[count];
-#endif
+    RunSums sums[count];   // folded to add_run's 8 lanes at the block's end
     #pragma GCC unroll 8
     for (int r = 0; r < count; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks_per_row; ++b) {
@@ -253,11 +256,7 @@ struct Work {
       }
       #pragma GCC unroll 8
       for (int r = 0; r < count; ++r) {
-#ifdef MTPJAX_AVX512
-        sums[r] = _mm512_setzero_si512();
-#else
-        sums[r] = _mm256_setzero_si256();
-#endif
+        sums[r] = RunSums();
       }
       int64_t record = x8.record(b, position);   // row r's: record + r
       const int8_t* xb = x8.q.data() + record * 256;
@@ -309,11 +308,7 @@ struct Work {
       }
       #pragma GCC unroll 8
       for (int r = 0; r < count; ++r) {
-#ifdef MTPJAX_AVX512
         __m256i lanes = folded(sums[r]);
-#else
-        __m256i lanes = sums[r];
-#endif
         if (six) {   // Q6_K's offset: 32 x the scales' products with the row's 16-value sums
           __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
               x8.sum16.data() + (record + r) * 16));
