@@ -78,9 +78,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   config.engine.kv_cache_dtype = "auto"
   # Steps one dispatch runs (a burst, on one stage: MTP off's, native MTP's plain and drafting
   # steps): the host's per-step work is paid once for all of them, and the tokens are the
-  # same. A
-  # burst runs only while no prompt waits to be prefilled beside a free slot, so first tokens
-  # are not delayed; a stream gets its tokens that many at a time. 1: one position a dispatch.
+  # same. A burst runs only while no prompt waits to be prefilled beside a free slot, so first
+  # tokens are not delayed; a stream gets its tokens that many steps at a time. 1: one step a
+  # dispatch.
   config.engine.decode_steps = 4
   # Prompt prefixes (whole pages of the largest bucket) kept for reuse by later prompts that
   # start the same way, least recently used first out; 0 turns prefix caching off.

@@ -366,7 +366,8 @@ class SlotScheduler:
                               info if j == 0 else {})
         if live.ngram is not None:
           self._host_verified(live, row, tokens)
-        rows = None if logprobs is None else tuple(a[:, j * per_step:] for a in logprobs)
+        rows = (None if logprobs is None else
+                tuple(a[:, j * per_step:(j + 1) * per_step] for a in logprobs))
         self._emit(index, tokens, token_logprobs(live.request, rows, index, tokens))
     if self.speculating:   # the step's wall time, with the host's per-step work
       drafted, steps = step.drafted, step.decode_steps
