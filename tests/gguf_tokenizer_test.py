@@ -11,12 +11,13 @@ import gguf
 import jinja2
 import tokenizers
 from absl.testing import absltest, parameterized
+from fixtures import FIXTURES
 
 from mtpjax.errors import ConversionError
 from mtpjax.gguf import tokenizer as gguf_tokenizer
 from mtpjax.gguf.tokenizer import ChatTemplate, GgufTokenizer
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures", "glm4moe-tiny")
+FIXTURE = str(FIXTURES / "glm4moe-tiny")
 GGUF_PATH = os.path.join(FIXTURE, "glm4moe_h64-F32.gguf")
 
 TEXTS = (
