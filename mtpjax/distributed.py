@@ -1,6 +1,6 @@
 """Multi-host start-up: `jax.distributed.initialize` from the config or the standard env vars.
 
-It must run before any other JAX call (DECODE.md §8): every process then runs the same program
+It must run before any other JAX call (docs/DECODE.md §8): every process then runs the same program
 and sees every host's devices in `jax.devices()`, and a pipelined `mtpjax.load` loads only the
 stages on this process's devices. On CPU the cross-process collectives go through gloo.
 """

@@ -233,7 +233,7 @@ def load_leaves(source, cfg: ModelConfig, layout: StageLayout, *, dtype="float32
     raise errors.ConversionError(
         f"the source lacks tensors for {len(missing)} parameters: {', '.join(missing[:8])}",
         path=str(source.path), field=missing[0],
-        remedy="use a complete GGUF or package (see MODEL.md §4 for required tensors)")
+        remedy="use a complete GGUF or package (see docs/MODEL.md §4 for required tensors)")
   return graphdef, abstract, filled
 
 

@@ -1,4 +1,4 @@
-"""The consumers of the native-MTP flag, built from ONE resolution (SPECULATIVE.md §6).
+"""The consumers of the native-MTP flag, built from ONE resolution (docs/SPECULATIVE.md §6).
 
 The loader, every pipeline stage and the server must never disagree on `native_mtp`: verify
 passes carry 2 positions per sequence through all stages, and the server's loop and metrics

@@ -4,7 +4,7 @@ over the request's own tokens, or both (a composite)?
 Pure on purpose (no JAX, no file I/O): config + manifest + GGUF metadata go in, one frozen
 `SpeculativeResolution` comes out. Every consumer reads its single `native_mtp` flag (whether
 the NextN head is built and drafts) and, for n-gram drafting, its `ngram` and `extension`
-settings (../shared/design/SPECULATIVE.md).
+settings (docs/SPECULATIVE.md).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ ENV_VAR = "MTPJAX_NATIVE_MTP"
 _ENV_TRUE = ("1", "true", "on", "yes", "enabled")
 _ENV_FALSE = ("0", "false", "off", "no", "disabled")
 
-# The tensors that make a layer a usable NextN block (MODEL.md §7).
+# The tensors that make a layer a usable NextN block (docs/MODEL.md §7).
 REQUIRED_NEXTN_TENSORS = ("eh_proj", "enorm", "hnorm")
 _NEXTN_NAME = re.compile(r"^blk\.([0-9]+)\.nextn\.")
 _RESPLIT = "re-split the source GGUF with `python -m mtpjax.package.split`"
@@ -485,7 +485,7 @@ def resolve_speculative(*, model_id: str, requested: str | None, scope: str, sou
                         source_path: str | None = None, max_draft_tokens: int | None = None,
                         max_draft_tokens_field: str = "speculative.max_draft_tokens"
                         ) -> SpeculativeResolution:
-  """Applies the SPECULATIVE.md §4 matrix, the on-consistency check and the §5 kill switch,
+  """Applies the docs/SPECULATIVE.md §4 matrix, the on-consistency check and the §5 kill switch,
   and the draft window (`draft_window.resolve_window`; `max_draft_tokens` from the config
   field `max_draft_tokens_field`).
 

@@ -1,4 +1,4 @@
-"""Native-MTP draft bookkeeping and counters (SPECULATIVE.md §8, DECODE.md §5).
+"""Native-MTP draft bookkeeping and counters (docs/SPECULATIVE.md §8, docs/DECODE.md §5).
 
 The scheduler counts per request and reduces the counts here (`MtpStats.from_counts`); the
 tests state the same rules host-side, one request at a time (`tests/draft_tracker.py`). Totals

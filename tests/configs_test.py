@@ -1,4 +1,4 @@
-"""configs/glm.py and configs/tiny.py through ml_collections' command-line flags (STYLE.md)."""
+"""configs/glm.py and configs/tiny.py through ml_collections' command-line flags (docs/STYLE.md)."""
 
 from __future__ import annotations
 

@@ -269,7 +269,7 @@ class PackageAndDtypeTest(absltest.TestCase):
     self.assertEqual(checkpoint.read_record(out)["dtype"], "bfloat16")
     bf16 = np.dtype(ml_dtypes.bfloat16)
     # Stored as bfloat16 on disk, not just cast on restore; norms, biases and the router stay
-    # float32 (MODEL.md §4 dtype policy).
+    # float32 (docs/MODEL.md §4 dtype policy).
     meta = ocp.StandardCheckpointer().metadata(out / "parts" / "layer-001")
     stored = {key: np.dtype(m.dtype) for key, m in getattr(meta, "item_metadata", meta).items()}
     self.assertEqual({k for k, d in stored.items() if d != bf16},

@@ -1,5 +1,5 @@
 """The draft rule stated host-side, one request at a time: the reference the telemetry tests
-check `MtpStats` against (SPECULATIVE.md §8, DECODE.md §5)."""
+check `MtpStats` against (docs/SPECULATIVE.md §8, docs/DECODE.md §5)."""
 
 from __future__ import annotations
 

@@ -49,7 +49,7 @@ def cached_forward(graphdef, params, tokens, positions, kv):
 def scratch_passes(graphdef, params, tokens):
   """From scratch over one padded sequence: trunk hiddens and KV, then the MTP KV and logits.
 
-  MTP row q is (x_q, h_{q-1}) at position q with a zero hidden for row 0 (DECODE.md §3).
+  MTP row q is (x_q, h_{q-1}) at position q with a zero hidden for row 0 (docs/DECODE.md §3).
   """
   model = nnx.merge(graphdef, params)
   cfg = model.cfg

@@ -2,7 +2,7 @@
 
 Every tensor goes through a real file (gguf.GGUFWriter -> gguf.GGUFReader). References: the
 original arrays, hand-written Q8_0/Q4_0 block decoders, gguf-py's own dequantizer (the ground
-truth llama.cpp agrees with, MODEL.md §10-§11) and the llama.cpp-made glm4moe-tiny fixtures.
+truth llama.cpp agrees with, docs/MODEL.md §10-§11) and the llama.cpp-made glm4moe-tiny fixtures.
 """
 
 import tempfile

@@ -1,6 +1,6 @@
 """A float32 plain-numpy GLM-4.x MoE forward (trunk + NextN head), the oracle for model tests.
 
-Written from the math in ../shared/design/MODEL.md §5-§7 only, independently of
+Written from the math in docs/MODEL.md §5-§7 only, independently of
 `mtpjax.models`, so that a shared misreading cannot make both agree. Weights are a dict of
 float32 arrays by GGUF name in numpy `[out, in]` order (experts `[E, out, in]`), as
 `build_tiny_glm_tensors` returns them or as `gguf.quants.dequantize` decodes them. Which
@@ -47,7 +47,7 @@ class HParams:
 
   @classmethod
   def from_gguf_metadata(cls, kv: Mapping[str, Any]) -> "HParams":
-    """From GGUF key/values (`glm4moe.*`), with the defaults MODEL.md §2 gives."""
+    """From GGUF key/values (`glm4moe.*`), with the defaults docs/MODEL.md §2 gives."""
     a = "glm4moe."
     n_heads = int(kv[a + "attention.head_count"])
     head_dim = int(kv.get(a + "attention.key_length",
@@ -130,7 +130,7 @@ def attention(w: Weights, p: str, hp: HParams, a: np.ndarray, positions: np.ndar
 
 
 def route(w: Weights, p: str, hp: HParams, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """(expert ids [T, K], weights [T, K]) per MODEL.md §6 step 7 (MoE 1-6)."""
+  """(expert ids [T, K], weights [T, K]) per docs/MODEL.md §6 step 7 (MoE 1-6)."""
   logits = (m @ w[f"{p}ffn_gate_inp.weight"].T).astype(np.float32)
   if hp.gating == "sigmoid":
     s = 1.0 / (1.0 + np.exp(-logits))
@@ -195,7 +195,7 @@ def trunk_forward(w: Weights, hp: HParams, ids) -> tuple[np.ndarray, np.ndarray]
 def mtp_forward(w: Weights, hp: HParams, ids, hidden: np.ndarray) -> np.ndarray:
   """NextN logits [T, V]: row k = token ids[k] at position k with hidden[k-1] (zeros for k=0).
 
-  `hidden` is the trunk hidden after output_norm (MODEL.md §7); the NextN block attends
+  `hidden` is the trunk hidden after output_norm (docs/MODEL.md §7); the NextN block attends
   causally over its own rows.
   """
   ids = np.asarray(ids).reshape(-1)

@@ -1,7 +1,7 @@
 """The GLM-4.x MoE forward and NextN head, loaded from GGUF, against independent references.
 
 References: the llama.cpp/transformers glm4moe-tiny fixture, and `glm_numpy_reference` (a plain
-numpy forward written from MODEL.md) on generated models covering the optional parts.
+numpy forward written from docs/MODEL.md) on generated models covering the optional parts.
 """
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""Small package fixtures for tests: the LAYER_PACKAGES.md §9 example and tiny GGUFs.
+"""Small package fixtures for tests: the docs/LAYER_PACKAGES.md §9 example and tiny GGUFs.
 
 The §9 example's artifacts are not GGUFs: each file holds the ASCII bytes of its own name, so it
 exercises manifest, path and integrity handling only. `write_gguf` writes real GGUFs with
@@ -24,7 +24,7 @@ from mtpjax.package.manifest import MANIFEST_NAME
 
 _A64 = "a" * 64
 
-# LAYER_PACKAGES.md §9, verbatim: a 3-layer package whose last block (index 2) is the NextN block.
+# docs/LAYER_PACKAGES.md §9, verbatim: a 3-layer package whose last block (index 2) is the NextN block.
 EXAMPLE_MANIFEST: dict[str, Any] = {
     "schema_version": 1,
     "model_id": "meshllm/GLM-4.7-Flash-MTP-GGUF:Q4_K_M",

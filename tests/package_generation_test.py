@@ -1,5 +1,5 @@
 """`generation.speculative_decoding` of every package era: proposers, n-gram and composite
-strategies, extension and window policies (LAYER_PACKAGES.md §5, upstream's preflight codes).
+strategies, extension and window policies (docs/LAYER_PACKAGES.md §5, upstream's preflight codes).
 
 The manifests are the §9 example (3 layers, NextN block at layer 2) with their generation block
 replaced; expected values are written out by hand from the JSON.
@@ -314,7 +314,7 @@ class NewerEraTest(parameterized.TestCase):
 
 class UnknownTypeTest(absltest.TestCase):
   """A consumer ignores a strategy or proposer type it does not know, unless it is the default
-  it must serve: preflight warns, and resolution decides (SPECULATIVE.md)."""
+  it must serve: preflight warns, and resolution decides (docs/SPECULATIVE.md)."""
 
   def _with_draft_model(self, default):
     manifest = _manifest()

@@ -1,4 +1,4 @@
-"""Manifest v1 validation: the rules and issue codes of LAYER_PACKAGES.md §2, §5; the §9 example."""
+"""Manifest v1 validation: the rules and issue codes of docs/LAYER_PACKAGES.md §2, §5; the §9 example."""
 
 import hashlib
 import os

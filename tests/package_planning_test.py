@@ -1,4 +1,4 @@
-"""Stage split planning (LAYER_PACKAGES.md §8): even and explicit splits, flags, typed errors."""
+"""Stage split planning (docs/LAYER_PACKAGES.md §8): even and explicit splits, flags, typed errors."""
 
 from absl.testing import absltest
 from absl.testing import parameterized

@@ -1,4 +1,5 @@
-"""Preflight: the §7 JSON report, stage parts, file checks and the command (§11 of the spec)."""
+"""Preflight (docs/LAYER_PACKAGES.md §7, §11): the JSON report, stage parts, file checks and the
+command."""
 
 import hashlib
 import json

@@ -15,7 +15,8 @@ from mtpjax import errors
 import package_examples as examples
 from mtpjax.package import integrity, planning, reader, writer
 
-# A tiny llama-like source: every §3 role, several ggml types, a NextN tensor in the last block.
+# A tiny llama-like source: every docs/LAYER_PACKAGES.md §3 role, several ggml types, a NextN
+# tensor in the last block.
 _RNG = np.random.default_rng(0)
 TENSORS = {
     "rope_freqs.weight": _RNG.standard_normal(2).astype(np.float32),

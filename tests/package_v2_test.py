@@ -1,4 +1,4 @@
-"""Schema v2 layer packages (LAYER_PACKAGES.md §10): the llama.cpp-made GLM fixture and the demo
+"""Schema v2 layer packages (docs/LAYER_PACKAGES.md §10): the llama.cpp-made GLM fixture and the demo
 model split as v1 and as v2 read the same (tensor bytes, metadata, stage plans, speculative
 resolution), and hostile v2 roots and carriers give typed errors naming the field."""
 

@@ -1,4 +1,4 @@
-"""The writer: GGUF -> v1 package (LAYER_PACKAGES.md §6), checked with gguf-py and the fixture."""
+"""The writer: GGUF -> v1 package (docs/LAYER_PACKAGES.md §6), checked with gguf-py and the fixture."""
 
 import collections
 import hashlib

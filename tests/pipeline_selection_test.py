@@ -1,6 +1,6 @@
 """glm-dsa pipeline stages that start on a layer without its own indexer.
 
-Such a layer reuses the row selection of the last indexer before it (MODEL.md §9), so a stage
+Such a layer reuses the row selection of the last indexer before it (docs/MODEL.md §9), so a stage
 that starts there must receive that selection with the activations. The model is a generated
 glm-dsa GGUF with index_topk 4 (well below the context, so the selection matters) whose layers
 1 and 2 reuse layer 0's selection. Every pipeline split must equal the single-stage model, whose

@@ -52,7 +52,7 @@ def serve(native_mtp: bool, requests, slots: int = SLOTS, adaptive=None, decode_
 
 
 def replay_counts(model, prompt, tokens) -> dict:
-  """The counters the DECODE.md §3 rule implies for `tokens`, drafts from a scratch MTP pass."""
+  """The counters the docs/DECODE.md §3 rule implies for `tokens`, drafts from a scratch MTP pass."""
   committed = list(prompt) + list(tokens)
   padded = np.zeros(MAX_LEN, np.int32)
   padded[:len(committed)] = committed

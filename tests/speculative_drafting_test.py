@@ -1,4 +1,4 @@
-"""What drafts for each requested strategy (SPECULATIVE.md §11): native MTP, n-gram proposers
+"""What drafts for each requested strategy (docs/SPECULATIVE.md §11): native MTP, n-gram proposers
 and composites, against every package era and direct GGUFs, with the kill switch and the
 errors. Fixtures are speculative_test's."""
 
@@ -93,7 +93,7 @@ def _extension_tuple(settings):
 
 
 class DraftingTest(ConsumerAssertions, parameterized.TestCase):
-  """Every requested value against every era's package and direct GGUFs (SPECULATIVE.md §11)."""
+  """Every requested value against every era's package and direct GGUFs (docs/SPECULATIVE.md §11)."""
 
   def assert_drafting(self, resolution, native, kind, strategy_id, ngram, extension):
     self.assertIs(resolution.native_mtp, native)
@@ -155,7 +155,7 @@ class DraftingTest(ConsumerAssertions, parameterized.TestCase):
 
 class PackageEraTest(parameterized.TestCase):
   """Manifests of each era, parsed from JSON: the newer forms of the same model resolve like
-  the first era's (LAYER_PACKAGES.md §5, §10)."""
+  the first era's (docs/LAYER_PACKAGES.md §5, §10)."""
 
   FIXED_JSON = {"default": "fixed", "initial_window": 1, "min_window": 1, "max_window": 1}
   NEXTN_JSON = {"type": "native-mtp", "prediction_depth": 1, "layer_indices": [2]}

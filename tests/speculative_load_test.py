@@ -1,6 +1,6 @@
 """The resolved native-MTP flag reaches all three consumers of a real `mtpjax.load`.
 
-SPECULATIVE.md §6: the loader (`load_options`, and whether the MTP head is in memory), every
+docs/SPECULATIVE.md §6: the loader (`load_options`, and whether the MTP head is in memory), every
 pipeline stage (the layouts and the engine the stages run) and the server's generation settings
 carry one value, for a real layer package (with its generation block) and a real direct GGUF.
 """

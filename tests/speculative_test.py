@@ -1,4 +1,4 @@
-"""Strategy resolution (SPECULATIVE.md §4-§7 and §10, LAYER_PACKAGES.md §11)."""
+"""Strategy resolution (docs/SPECULATIVE.md §4-§7 and §10, docs/LAYER_PACKAGES.md §11)."""
 
 from __future__ import annotations
 
@@ -274,7 +274,7 @@ class MatrixTest(ConsumerAssertions, parameterized.TestCase):
     self.assertIn("native-mtp-n1 to opt in", gguf_reason)
 
   def test_auto_with_layer_46_of_47(self):
-    """LAYER_PACKAGES.md §11: default native-mtp-n1 with layers [46] turns all three on."""
+    """docs/LAYER_PACKAGES.md §11: default native-mtp-n1 with layers [46] turns all three on."""
     source = package(_generation("native-mtp-n1", _mtp(layers=(46,))), nextn_layers=(46,),
                      layer_count=47)
     resolution = resolve(source, None, scope=speculative.BUILTIN_SCOPE)

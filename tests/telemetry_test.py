@@ -1,4 +1,4 @@
-"""Draft bookkeeping and MTP counters (SPECULATIVE.md §8, DECODE.md §5, LAYER_PACKAGES §11)."""
+"""Draft bookkeeping and MTP counters (docs/SPECULATIVE.md §8, docs/DECODE.md §5, docs/LAYER_PACKAGES.md §11)."""
 
 from __future__ import annotations
 

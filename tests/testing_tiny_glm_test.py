@@ -2,7 +2,7 @@
 
 Names, key set and layouts are checked against the llama.cpp-converted glm4moe-tiny fixture,
 and the model's behaviour (routing margins, MTP-copies-trunk drafts) against a plain numpy
-forward written here from MODEL.md §6-§7, independent of any mtpjax model code.
+forward written here from docs/MODEL.md §6-§7, independent of any mtpjax model code.
 """
 
 import tempfile
@@ -22,7 +22,7 @@ FIXTURE_F32 = FIXTURE / "glm4moe_h64-F32.gguf"
 
 
 # ---------------------------------------------------------------------------------------------
-# Plain numpy reference forward (float64), MODEL.md §6-§7.
+# Plain numpy reference forward (float64), docs/MODEL.md §6-§7.
 
 
 def _rms(x, w, eps):

@@ -10,7 +10,7 @@ from mtpjax.testing.tiny_glm import TinyGlmSpec, write_tiny_glm_gguf
 
 
 def hand_count(spec: TinyGlmSpec, slots: int) -> dict[str, float]:
-  """float32 weights read per step kind, written out from the glm4moe shapes (MODEL.md §5-§7)."""
+  """float32 weights read per step kind, written out from the glm4moe shapes (docs/MODEL.md §5-§7)."""
   d, heads, kv_heads, hd = spec.hidden, spec.n_heads, spec.n_kv_heads, spec.head_dim
   attention = (d * heads * hd + 2 * d * kv_heads * hd + heads * hd * d   # wq, wk, wv, wo
                + heads * hd + 2 * kv_heads * hd                          # q/k/v biases

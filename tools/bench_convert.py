@@ -11,7 +11,7 @@ bytes, the restore time and whether both decode the same tokens.
 
 Prints one JSON line. The GGUF is written by a child process, so `peak_rss_mb` (this process's
 ru_maxrss) measures imports plus the conversion, not the generator's float32 master weights;
-the streaming design (DECODE.md §10) predicts a peak of about one part above the baseline.
+the streaming design (docs/DECODE.md §10) predicts a peak of about one part above the baseline.
 """
 
 from __future__ import annotations

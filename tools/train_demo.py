@@ -4,7 +4,7 @@
 
 Deterministic for a given seed and interpreter: the corpus is the running interpreter's own
 standard-library sources (no download), excluding tests and generated tables. The loss is
-`CE_trunk + mtp_weight * sum_d w_d CE_mtp_d` with the MTP row convention of MODEL.md §7 (row p
+`CE_trunk + mtp_weight * sum_d w_d CE_mtp_d` with the MTP row convention of docs/MODEL.md §7 (row p
 pairs x_p with the trunk hidden h_{p-1}, zero for row 0, and predicts x_{p+1}). Depth d > 1
 (`--mtp_depth_weights`, one weight per depth) trains the recursive draft chain the engine runs:
 the same block over rows pairing x_p with its own depth d - 1 output y_{p-1} (before the head

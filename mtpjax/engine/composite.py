@@ -1,5 +1,5 @@
 """Host drafting for one request: an n-gram proposer alone, or a composite's n-gram tail after
-the native-MTP draft (SPECULATIVE.md §11).
+the native-MTP draft (docs/SPECULATIVE.md §11).
 
 The n-gram tail is a cheap bet on top of a healthy MTP draft, so it starts short
 (`initial_tokens`), grows by one after each fully accepted draft up to `max_tokens`, and after

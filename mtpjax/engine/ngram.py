@@ -1,5 +1,5 @@
 """Model-free draft proposers over one request's own tokens: `ngram-simple`, `ngram-cache` and
-`ngram-suffix` (SPECULATIVE.md §11).
+`ngram-suffix` (docs/SPECULATIVE.md §11).
 
 Each proposer mirrors the request's committed tokens (prompt, then every token the target
 committed) in an index updated in O(new tokens): a rejected draft is never committed, so the

@@ -1,4 +1,4 @@
-"""How activations and tokens move between pipeline stages (DECODE.md §7 form B, §8).
+"""How activations and tokens move between pipeline stages (docs/DECODE.md §7 form B, §8).
 
 A stage is a sub-mesh of one process's devices. On one host a hop is a `jax.device_put` to the
 next stage's replicated sharding. Across hosts the stages live in different processes, so a hop

@@ -1,5 +1,5 @@
 """Where each part of a model runs: stage ranges, their sub-meshes and the slot groups
-(DECODE.md §7 form B).
+(docs/DECODE.md §7 form B).
 
 The package's stage plan (`package/planning.py`) splits trunk layers + NextN block over the
 stages; stage 0 embeds, and the last stage holds the final norm, the head and the NextN block.

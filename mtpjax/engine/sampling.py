@@ -2,7 +2,7 @@
 
 The key for the token at absolute position p is `fold_in(request_key, p)`, whatever the
 schedule: MTP on and MTP off therefore draw the same sample from the same logits, which is what
-makes speculative decoding reproducible as well as lossless (DECODE.md §2, §4).
+makes speculative decoding reproducible as well as lossless (docs/DECODE.md §2, §4).
 Greedy is temperature 0, chosen with `jnp.where`, so greedy and sampled requests share one
 compiled step.
 """

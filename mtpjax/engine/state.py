@@ -1,5 +1,5 @@
 """The decode state: per-slot fields declared once, the last stage's head state, and the
-host-side structure over pipeline stages and slot groups (DECODE.md §3 for the invariant).
+host-side structure over pipeline stages and slot groups (docs/DECODE.md §3 for the invariant).
 
 Slots are split into groups (microbatches, one per stage in a pipeline, one in all for a single
 stage). Each group holds, on the last stage, a `HeadState`: what sampling, verifying and

@@ -1,4 +1,4 @@
-"""The head side of every step: sampling, verifying, drafting and committing (DECODE.md §1-§3).
+"""The head side of every step: sampling, verifying, drafting and committing (docs/DECODE.md §1-§3).
 
 Everything here runs after the trunk's final norm, on the stage that owns the output head and
 the NextN block (the whole model on a single stage), against a `HeadState` over the slots a

@@ -1,7 +1,7 @@
 """Per-tensor dequantization of GGUF data into numpy arrays (numpy only, no jax).
 
 Community GGUFs mix ggml types per tensor, so every tensor is dispatched on its own type.
-Layout convention (MODEL.md §3): the result is shaped `reversed(ne)`, i.e. `[out, in]` for a
+Layout convention (docs/MODEL.md §3): the result is shaped `reversed(ne)`, i.e. `[out, in]` for a
 Linear weight and `[E, out, in]` for an expert stack, exactly as gguf-py returns it. Nothing
 is transposed here: the loader stores a `Linear` weight as the transpose `[in, out]` (see
 `models/primitives.py` for why), experts and embeddings as they are.
@@ -32,7 +32,7 @@ _OUT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.b
 _REMEDY = ("re-quantize the model with llama-quantize to a type gguf-py can dequantize "
            "(F16, BF16, Q8_0, Q4_K_M, Q6_K, IQ4_XS, ...) or use an F16/BF16 export")
 
-# llama.cpp keeps these F32 whatever the file type (MODEL.md §4 "Dtype policy").
+# llama.cpp keeps these F32 whatever the file type (docs/MODEL.md §4 "Dtype policy").
 _F32_NAME_SUFFIXES = ("_norm.weight", ".bias", "ffn_gate_inp.weight")
 
 

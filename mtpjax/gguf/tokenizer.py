@@ -2,7 +2,7 @@
 
 A GGUF carries everything needed to tokenize (vocab, token types, merges, pre-tokenizer name)
 but no `tokenizer.json`. We rebuild a byte-level BPE `tokenizers.Tokenizer` that reproduces
-llama.cpp's `glm4` tokenization (MODEL.md §12), so a package is self-sufficient. The chat
+llama.cpp's `glm4` tokenization (docs/MODEL.md §12), so a package is self-sufficient. The chat
 template is untrusted input, so it only ever runs inside jinja2's immutable sandbox.
 """
 
@@ -47,7 +47,7 @@ CHATGLM4_SPLIT_REGEX = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # `tokenizer.ggml.pre` -> split regex. llama.cpp maps "chatglm-bpe" to the same pre-type as
-# "glm4"; "glm5" (GLM-5 family) is taken to share the split, as MODEL.md §12 states.
+# "glm4"; "glm5" (GLM-5 family) is taken to share the split, as docs/MODEL.md §12 states.
 PRE_TOKENIZER_REGEX = {
     "glm4": CHATGLM4_SPLIT_REGEX,
     "glm5": CHATGLM4_SPLIT_REGEX,
@@ -141,7 +141,7 @@ def _parse_merges(merges: Sequence[str], path: str | None) -> list[tuple[str, st
 
 
 def glm_pre_tokenizer(split_regex: str = CHATGLM4_SPLIT_REGEX) -> pre_tokenizers.Sequence:
-  """GLM's pre-tokenization (MODEL.md §12): the split regex, then byte-level mapping."""
+  """GLM's pre-tokenization (docs/MODEL.md §12): the split regex, then byte-level mapping."""
   return pre_tokenizers.Sequence([
       pre_tokenizers.Split(Regex(split_regex), behavior="isolated"),
       pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
@@ -151,7 +151,7 @@ def glm_pre_tokenizer(split_regex: str = CHATGLM4_SPLIT_REGEX) -> pre_tokenizers
 def _build_hf_tokenizer(tokens: Sequence[str], merges: list[tuple[str, str]], split_regex: str,
                         control_ids: frozenset[int], user_ids: Sequence[int],
                         path: str | None) -> tokenizers.Tokenizer:
-  """The MODEL.md §12 recipe: BPE with `ignore_merges`, regex split, byte level, no extras."""
+  """The docs/MODEL.md §12 recipe: BPE with `ignore_merges`, regex split, byte level, no extras."""
   vocab: dict[str, int] = {}
   for token_id, text in enumerate(tokens):
     vocab.setdefault(text, token_id)

@@ -1,7 +1,7 @@
 """Model configuration resolved from GGUF metadata and tensor presence.
 
 Some facts are not stored as keys (bias, q/k norm, tied head, MTP block): llama.cpp infers them
-from which tensors exist, and so do we (../shared/design/MODEL.md §2).
+from which tensors exist, and so do we (docs/MODEL.md §2).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping
 from mtpjax import errors
 
 SUPPORTED_ARCHS = ("glm4moe", "deepseek2", "glm-dsa")
-MLA_ARCHS = ("deepseek2", "glm-dsa")   # multi-head latent attention (MODEL.md §8-§9)
+MLA_ARCHS = ("deepseek2", "glm-dsa")   # multi-head latent attention (docs/MODEL.md §8-§9)
 
 _log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class ModelConfig:
 
   def sparse_at(self, cache_len: int) -> bool:
     """Whether the indexer narrows attention over a cache of `cache_len` rows; with no more
-    rows than top_k it keeps every visible row, so attention is exactly dense (MODEL.md §9)."""
+    rows than top_k it keeps every visible row, so attention is exactly dense (docs/MODEL.md §9)."""
     return self.has_indexer and cache_len > self.indexer_topk
 
   @property
@@ -208,7 +208,7 @@ def config_from_gguf(metadata: Mapping[str, Any], tensor_names: Iterable[str], *
         remedy="use a GGUF that carries its tokenizer metadata")
   if arch in MLA_ARCHS and f"{arch}.expert_gating_func" not in metadata:
     # llama.cpp falls back to softmax for deepseek2-style files; a GLM file without the key
-    # was converted badly, so say so (MODEL.md §8).
+    # was converted badly, so say so (docs/MODEL.md §8).
     _log.warning("%s: %s.expert_gating_func is absent; using softmax routing as llama.cpp "
                  "does (re-convert the model if it is a GLM sigmoid-router model)", source, arch)
   gating_id = int(get("expert_gating_func", 1 if arch in MLA_ARCHS else 2))
@@ -292,7 +292,7 @@ def _check_relations(cfg: ModelConfig, source: str) -> ModelConfig:
 
 
 def _mla_fields(metadata: Mapping[str, Any], arch: str, get, source: str) -> dict[str, Any]:
-  """MLA and indexer fields: the converter stores MLA as MQA over the latent (MODEL.md §8),
+  """MLA and indexer fields: the converter stores MLA as MQA over the latent (docs/MODEL.md §8),
   so the per-head sizes come from the `*_mla` keys, not from key_length/value_length."""
   kv_lora = int(get("attention.kv_lora_rank"))
   fields = dict(

@@ -1,4 +1,4 @@
-"""The glm-dsa lightning indexer: which cached rows each query attends to (MODEL.md §9).
+"""The glm-dsa lightning indexer: which cached rows each query attends to (docs/MODEL.md §9).
 
 Math as in HF transformers' `glm_moe_dsa` and llama.cpp `glm-dsa` (DeepSeek-V3.2 DSA without
 the FP8/Hadamard optimisations, which preserve dot products):

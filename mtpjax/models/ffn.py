@@ -1,4 +1,4 @@
-"""Feed-forward blocks: the dense (SwiGLU) MLP and the routed mixture of experts (MODEL.md §6).
+"""Feed-forward blocks: the dense (SwiGLU) MLP and the routed mixture of experts (docs/MODEL.md §6).
 
 `Experts` owns the stacked expert weights (GGUF layout `[E, out, in]`, dense or quantized) and
 hands the contraction of rows with their selected experts to `grouped_experts`.
@@ -30,7 +30,7 @@ class DenseMLP(nnx.Module):
 
 
 def route(scores_in: jax.Array, bias: jax.Array, cfg: ModelConfig):
-  """Router: returns (expert ids [N, K], weights [N, K]) as MODEL.md §6.7 prescribes.
+  """Router: returns (expert ids [N, K], weights [N, K]) as docs/MODEL.md §6 step 7 prescribes.
 
   The correction bias only chooses experts; the weights come from the unbiased scores.
   """

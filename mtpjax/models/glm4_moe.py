@@ -95,7 +95,7 @@ class GlmModel(nnx.Module):
     """MTP rows (token x_p at position p, trunk hidden h_{p-1}) -> (normed draft hidden z, the
     block's output y before the head norm that a draft chain feeds back, new cache).
 
-    `prev_hidden` is the trunk hidden AFTER output_norm (zero for row 0), per MODEL.md §7.
+    `prev_hidden` is the trunk hidden AFTER output_norm (zero for row 0), per docs/MODEL.md §7.
     The NextN block's cache is a page pool read through the trunk's `page_table` (its rows
     are the same positions), or per slot without one.
     """

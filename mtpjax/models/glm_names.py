@@ -29,7 +29,7 @@ _BLOCK = {
     "attn_k_norm.weight": ("attn", "k_norm", "weight"),
     "post_attention_norm.weight": ("ffn_norm", "weight"),
     "ffn_norm.weight": ("ffn_norm", "weight"),          # deepseek2 / glm-dsa name
-    # MLA (deepseek2, glm-dsa; MODEL.md §8)
+    # MLA (deepseek2, glm-dsa; docs/MODEL.md §8)
     "attn_q_a.weight": ("attn", "wq_a", "weight"),
     "attn_q_a_norm.weight": ("attn", "q_a_norm", "weight"),
     "attn_q_b.weight": ("attn", "wq_b", "weight"),
@@ -50,7 +50,7 @@ _BLOCK = {
     "ffn_down_shexp.weight": ("ffn", "shared", "down", "weight"),
 }
 
-# glm-dsa lightning indexer (MODEL.md §9); only layers that run their own indexer load these.
+# glm-dsa lightning indexer (docs/MODEL.md §9); only layers that run their own indexer load these.
 _INDEXER = {
     "indexer.attn_q_b.weight": ("attn", "indexer", "wq_b", "weight"),
     "indexer.attn_k.weight": ("attn", "indexer", "wk", "weight"),

@@ -100,7 +100,7 @@ def stage_forward(model: CausalLM, inp, positions: jax.Array, kv: list,
 def previous_hidden(hidden: jax.Array, before: jax.Array | None = None) -> jax.Array:
   """The MTP head's hidden input for every row of a sequence: row p gets h_{p-1}, row 0 zeros.
 
-  This pairing (MODEL.md §7, llama.cpp's convention) is what makes MTP rows comparable with
+  This pairing (docs/MODEL.md §7, llama.cpp's convention) is what makes MTP rows comparable with
   llama.cpp's and keeps row 0 of the MTP KV cache well defined. hidden: [B, T, D]; `before`
   [B, D]: the hidden before the first row when the rows continue a sequence (a prompt chunk).
   """

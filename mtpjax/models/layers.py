@@ -1,4 +1,4 @@
-"""The GLM decoder block: pre-norm attention (GQA or MLA) + dense or MoE FFN (MODEL.md §5-§6).
+"""The GLM decoder block: pre-norm attention (GQA or MLA) + dense or MoE FFN (docs/MODEL.md §5-§6).
 
 Each attention module declares the shape of the cache it uses (`cache_shapes`, as flax's gemma
 `init_cache`) and reads and writes it only through `kv_cache`.

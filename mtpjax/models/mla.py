@@ -1,4 +1,4 @@
-"""Multi-head latent attention as llama.cpp's `deepseek2` / `glm-dsa` GGUFs store it (MODEL.md §8).
+"""Multi-head latent attention as llama.cpp's `deepseek2` / `glm-dsa` GGUFs store it (docs/MODEL.md §8).
 
 RoPE rotates adjacent pairs (llama.cpp NORM): the converter stores the rope rows in that order
 for both archs (HF's interleave/NeoX conventions give the same scores; the glmdsa-tiny fixture

@@ -1,4 +1,4 @@
-"""RoPE scaling (YaRN and linear) for the MLA archs, computed as llama.cpp does (MODEL.md §8).
+"""RoPE scaling (YaRN and linear) for the MLA archs, computed as llama.cpp does (docs/MODEL.md §8).
 
 llama.cpp splits the work in three places, and the numbers only come out right together:
   * `llama_context` turns the file's keys into `freq_scale = 1/factor`, `ext_factor` (1 for

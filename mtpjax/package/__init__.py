@@ -1,4 +1,4 @@
-"""Layer packages: read, validate, preflight, plan and write (see LAYER_PACKAGES.md).
+"""Layer packages: read, validate, preflight, plan and write (see docs/LAYER_PACKAGES.md).
 
 Nothing here imports JAX: the package layer yields names, ggml types, shapes and bytes.
 The preflight function stays in its module (`mtpjax.package.preflight.preflight`): exporting it

@@ -1,4 +1,4 @@
-"""The metadata carrier of a v2 layer package: a payload-free GGUF (LAYER_PACKAGES.md §10).
+"""The metadata carrier of a v2 layer package: a payload-free GGUF (docs/LAYER_PACKAGES.md §10).
 
 It holds the model's key/values and its full tensor directory, plus the `skippy.package.*`
 locator arrays that say, per directory entry, which payload artifact stores the tensor and at

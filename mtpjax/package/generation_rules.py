@@ -1,4 +1,4 @@
-"""Rules of `generation.speculative_decoding` (LAYER_PACKAGES.md §5), as preflight issues.
+"""Rules of `generation.speculative_decoding` (docs/LAYER_PACKAGES.md §5), as preflight issues.
 
 Every era of the v1 block is read: inline `native-mtp-n1` / `mtp` strategies, a `proposers` map
 that strategies refer to, n-gram strategies and `composite` strategies (a native-MTP primary

@@ -3,7 +3,7 @@
 gguf-py's `ReaderField.contents()` flattens nested arrays, so we walk the bytes ourselves: the
 decoded value feeds `ModelSource.metadata`, and the encoded payload lets the writer copy a key
 byte for byte (nested and empty arrays included). The walk enforces the writer's safety limits
-(LAYER_PACKAGES.md §2.7).
+(docs/LAYER_PACKAGES.md §2.7).
 """
 
 from __future__ import annotations

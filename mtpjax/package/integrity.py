@@ -1,4 +1,4 @@
-"""Safe artifact paths and size/SHA-256 checks of package parts (LAYER_PACKAGES.md §2.4-§2.5).
+"""Safe artifact paths and size/SHA-256 checks of package parts (docs/LAYER_PACKAGES.md §2.4-§2.5).
 
 The lexical path rules follow upstream; the symlink check is ours: a package must never make us
 read a file outside its own directory.

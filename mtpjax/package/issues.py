@@ -1,6 +1,6 @@
 """Preflight issues: the one record shape that manifest validation, the reader and preflight share.
 
-An issue is a plain dict `{severity, code, message, path?, remediation}` (LAYER_PACKAGES.md §7),
+An issue is a plain dict `{severity, code, message, path?, remediation}` (docs/LAYER_PACKAGES.md §7),
 so preflight can print it as JSON and `ManifestError.issues` can carry it unchanged.
 """
 
@@ -103,7 +103,7 @@ REMEDIES: dict[str, str] = {
     "invalid_artifact_sha256": "record the artifact's 64-hex SHA-256 in the manifest",
     "artifact_sha256_mismatch": "the file is corrupt: re-download it or " + _RESPLIT,
     "artifact_sha256_unreadable": "make the file readable (permissions, I/O errors) and retry",
-    # schema v2 (LAYER_PACKAGES.md §10; codes are upstream's, the first two ours)
+    # schema v2 (docs/LAYER_PACKAGES.md §10; codes are upstream's, the first two ours)
     "unknown_field": "schema v2 rejects fields it does not define: remove the field, or "
                      + _RESPLIT + " --schema-version 2",
     "invalid_field_type": "give the field the type and range schema v2 defines",

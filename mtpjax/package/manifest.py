@@ -1,6 +1,6 @@
 """The layer-package manifest (`model-package.json`): validation and parsing, every schema.
 
-v1 is validated and parsed here (LAYER_PACKAGES.md §2, §5); a v2 root and its metadata carrier
+v1 is validated and parsed here (docs/LAYER_PACKAGES.md §2, §5); a v2 root and its metadata carrier
 (§10) go to `manifest_v2`, dispatched on `schema_version` in `manifest_issues` and
 `parse_manifest` only. Both give the same `Manifest` (`manifest_types`).
 """

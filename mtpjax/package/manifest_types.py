@@ -1,7 +1,7 @@
 """The typed description of a layer package that every manifest schema parses into.
 
 Stage planning, tensor streaming and strategy resolution read only these types, so a v1
-manifest and a v2 root plus its metadata carrier (LAYER_PACKAGES.md §2, §10) load the same way.
+manifest and a v2 root plus its metadata carrier (docs/LAYER_PACKAGES.md §2, §10) load the same way.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Schema v2 layer packages: the JSON root, its canonical identity, and the `Manifest` it gives.
 
-A v2 root (LAYER_PACKAGES.md §10) names an artifact catalog and a payload-free metadata
+A v2 root (docs/LAYER_PACKAGES.md §10) names an artifact catalog and a payload-free metadata
 carrier (`carrier.py`); the tensors' roles, per-artifact counts and byte ranges come from the
 carrier. Both together parse into the same `Manifest` as v1 (one payload artifact per layer; the
 embeddings and output slots name the artifacts that own those tensors, which may be one common

@@ -1,4 +1,4 @@
-"""Stage split planning: the contiguous layer range each pipeline stage owns (LAYER_PACKAGES.md §8).
+"""Stage split planning: the contiguous layer range each pipeline stage owns (docs/LAYER_PACKAGES.md §8).
 
 Ranges are half-open, non-empty, contiguous and cover `0..layer_count` with the NextN block
 included, so the MTP block always lands on the last stage next to the output head.

@@ -1,6 +1,6 @@
 """Preflight: check a layer package without loading weights, as one JSON report.
 
-The report schema and issue codes are LAYER_PACKAGES.md §7.
+The report schema and issue codes are docs/LAYER_PACKAGES.md §7.
 
 `python -m mtpjax.package.preflight PKG [--stages N] [--verify-sha]` prints the report and exits
 0 when it is valid, 1 otherwise. Every problem is reported as an issue, never as a traceback.

@@ -2,7 +2,7 @@
 
 Nothing is read into RAM at open: gguf-py memory-maps each file, and a stage's tensors are
 yielded one artifact at a time so a converter never holds more than one fragment
-(LAYER_PACKAGES.md §3-§4). A package artifact is hashed as it is opened for its tensors (the
+(docs/LAYER_PACKAGES.md §3-§4). A package artifact is hashed as it is opened for its tensors (the
 pass that brings it into the page cache for the mapping), before any tensor is handed out.
 """
 

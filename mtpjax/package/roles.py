@@ -1,4 +1,4 @@
-"""Tensor roles by name, as upstream's stage runtime classifies them (LAYER_PACKAGES.md §3).
+"""Tensor roles by name, as upstream's stage runtime classifies them (docs/LAYER_PACKAGES.md §3).
 
 Both manifest schemas and the reader share these rules: which layer a tensor belongs to, and
 which tensors a stage for layers [start, end) selects.

@@ -1,4 +1,4 @@
-"""Split a GGUF (plain or split) into a v1 layer package (LAYER_PACKAGES.md §6).
+"""Split a GGUF (plain or split) into a v1 layer package (docs/LAYER_PACKAGES.md §6).
 
 Tensor bytes are copied raw with their ggml type and `ne`, never requantized, and key/values are
 re-emitted byte for byte. The package is built in a sibling temporary folder, re-opened and

@@ -1,4 +1,4 @@
-"""Split a GGUF into a schema v2 layer package (LAYER_PACKAGES.md §10).
+"""Split a GGUF into a schema v2 layer package (docs/LAYER_PACKAGES.md §10).
 
 The payload artifacts are the v1 fragments with each tensor stored once (metadata-role tensors
 such as `rope_freqs.weight` go with the embeddings), no repeated key/values (only

@@ -3,7 +3,7 @@
 Request counters are updated from the engine thread as tokens are produced, so a long
 generation shows progress before it ends. The native-MTP counters are the summed `MtpStats` of
 finished requests, exported under the names `MtpStats.as_metrics` defines
-(`mtpjax_native_mtp_<name>`, SPECULATIVE.md §8), with the same keys whether MTP is on or off.
+(`mtpjax_native_mtp_<name>`, docs/SPECULATIVE.md §8), with the same keys whether MTP is on or off.
 """
 
 from __future__ import annotations

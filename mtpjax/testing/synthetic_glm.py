@@ -4,7 +4,7 @@ A GLM-4.7-Flash-shaped model with 4 trunk layers is ~3.4B parameters, so unlike 
 builders this one never holds the model: tensor infos are declared first and each tensor is
 generated in row chunks, encoded and written before the next is made (peak memory ~ the largest
 tensor in its stored type). Names, shapes, order and key/values are llama.cpp's converter output
-for each arch (compare the fixtures in ../shared/fixtures/: glm4moe-tiny, glm4moelite-tiny
+for each arch (compare the fixtures in tests/fixtures/: glm4moe-tiny, glm4moelite-tiny
 (`deepseek2`), glmdsa-tiny (`glm-dsa`)); the common keys, the tokenizer and the per-tensor type
 policy are `tiny_glm`'s. Weights are random with a sane scale (N(0, 1/fan_in), unit norms, unit
 embeddings) so activations stay finite through the few layers.

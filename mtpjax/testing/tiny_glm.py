@@ -2,9 +2,9 @@
 
 Files are written with the real gguf-py writer using llama.cpp's tensor names, tensor order,
 key/value set and dtype policy, so they read exactly like `convert_hf_to_gguf.py` output
-(compare ../shared/fixtures/glm4moe-tiny/glm4moe_h64-F32.gguf). No jax here: numpy only.
+(compare tests/fixtures/glm4moe-tiny/glm4moe_h64-F32.gguf). No jax here: numpy only.
 
-Weights are random but tuned for testing (MODEL.md §11, §13): unit-scale embeddings and
+Weights are random but tuned for testing (docs/MODEL.md §11, §13): unit-scale embeddings and
 logits with a clear argmax, and larger router weights plus a spread `exp_probs_b` so that
 top-k expert choices are not near-ties. Each tensor's values depend only on (seed, name),
 so toggling an optional tensor does not reshuffle the others.
@@ -75,7 +75,7 @@ _FILE_TYPES = {
     "Q4_K": LlamaFileType.MOSTLY_Q4_K_S, "Q5_K": LlamaFileType.MOSTLY_Q5_K_S,
     "Q6_K": LlamaFileType.MOSTLY_Q6_K,
 }
-# gguf-py cannot quantize K-quants: these get random blocks with sane f16 scales (MODEL.md
+# gguf-py cannot quantize K-quants: these get random blocks with sane f16 scales (docs/MODEL.md
 # §11). Value: byte offsets of the f16 `d` and `dmin` fields in a block (None: no dmin).
 KQUANT_SCALE_FIELDS = {
     GGMLQuantizationType.Q2_K: (80, 82), GGMLQuantizationType.Q3_K: (108, None),
@@ -362,7 +362,7 @@ def build_tiny_glm_tensors(spec: TinyGlmSpec = TinyGlmSpec()) -> dict[str, np.nd
 
 
 def _make_mtp_copy_trunk(spec: TinyGlmSpec, t: dict[str, np.ndarray]) -> None:
-  """Trunk logits ~ f(current token); NextN draft == argmax f(token) (MODEL.md §7 rows).
+  """Trunk logits ~ f(current token); NextN draft == argmax f(token) (docs/MODEL.md §7 rows).
 
   Trunk residual branches shrink, so the final hidden is ~ the token's embedding. The NextN
   block passes rms(embedding) straight through: eh_proj = [I | 0], zero attention output and

@@ -2,7 +2,7 @@
 
 The fixtures' index_topk (2048) exceeds any test context, so they never exercise the sparse
 selection. This builder writes a small model whose `index_topk` is a few rows, with llama.cpp's
-tensor names and numpy shapes (MODEL.md §8-§9), through the real gguf-py writer. It has no
+tensor names and numpy shapes (docs/MODEL.md §8-§9), through the real gguf-py writer. It has no
 experts, so a plain-numpy reference of the whole forward stays short; `mtp=True` adds a dense
 NextN block (no indexer, as llama.cpp runs it) for native-MTP decoding tests.
 """
