@@ -1,5 +1,8 @@
 """The README's first command: `python -m mtpjax.serve --config=configs/glm.py`, nothing else.
 
+The server runs from a non-editable install of the repository (`pip install .`, into a venv
+that sees this interpreter's dependencies) in a folder that holds no checkout, so the shipped
+config, demo package and kernel sources must come from the installed package data.
 It serves the trained demo package shipped in the repository, offline; a chat completion
 returns text and `/metrics` shows the native-MTP accept rate of the demo's real NextN head.
 Every README example that talks to that server (curl and Python) runs here verbatim, with only
@@ -14,6 +17,7 @@ import pathlib
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 
 import httpx
@@ -43,7 +47,17 @@ class DemoServerTest(absltest.TestCase):
     super().setUpClass()
     cls.tmp = tempfile.mkdtemp(prefix="mtpjax-demo-server-")
     cls.addClassCleanup(shutil.rmtree, cls.tmp, ignore_errors=True)
-    cls.server = ServerProcess(cls.tmp, pathlib.Path(cls.tmp) / "server.log", tiny=False)
+    venv = pathlib.Path(cls.tmp) / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
+                   check=True)
+    python = str(venv / "bin" / "python")
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(REPO)], check=True,
+                   cwd=cls.tmp)
+    cls.installed = pathlib.Path(subprocess.run(
+        [python, "-c", "import mtpjax; print(mtpjax.__file__)"], check=True, cwd=cls.tmp,
+        capture_output=True, text=True).stdout.strip()).parent
+    cls.server = ServerProcess(cls.tmp, pathlib.Path(cls.tmp) / "server.log", tiny=False,
+                               python=python, cwd=pathlib.Path(cls.tmp))
     try:
       cls.url = cls.server.wait_ready()
     except BaseException:
@@ -58,7 +72,9 @@ class DemoServerTest(absltest.TestCase):
     super().tearDownClass()
 
   def test_chat_answers_with_the_demo_and_metrics_show_its_accept_rate(self):
-    self.assertIn(str(embedded.DEMO_PACKAGE), self.server.log())
+    # The installed copy's demo package, not the checkout's.
+    self.assertNotEqual(self.installed, REPO / "mtpjax")
+    self.assertIn(str(self.installed / "assets" / "glm-demo"), self.server.log())
     self.assertEqual([m.id for m in self.client.models.list().data], [DEMO_MODEL])
     reply = self.client.chat.completions.create(
         model=DEMO_MODEL, max_tokens=24,

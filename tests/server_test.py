@@ -50,18 +50,23 @@ _STARTUP_TIMEOUT_S = 600
 class ServerProcess:
   """`python -m mtpjax.serve` with its output in a log file (a pipe could fill and block it)."""
 
-  def __init__(self, cache_dir: str, log_path: pathlib.Path, *flags: str, tiny: bool = True):
-    """`tiny`: serve the generated tiny model; otherwise the config's own default model."""
+  def __init__(self, cache_dir: str, log_path: pathlib.Path, *flags: str, tiny: bool = True,
+               python: str = sys.executable, cwd: pathlib.Path = REPO):
+    """`tiny`: serve the generated tiny model; otherwise the config's own default model.
+    `python` and `cwd`: another interpreter (e.g. a venv with mtpjax installed) run from
+    another folder; the checkout is on its path only when run from the checkout."""
     self.log_path = log_path
     self._log = open(log_path, "wb")
     xla_flags.share_with_server(warm_start.compilation_cache_dir(cache_dir))
     model_flags = ([f"--config.model.source={embedded_tiny.TINY_SOURCE}",
                     f"--config.server.model_name={MODEL}"] if tiny else [])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if cwd == REPO:
+      env["PYTHONPATH"] = str(REPO)
     self.process = subprocess.Popen(
-        [sys.executable, "-m", "mtpjax.serve", "--config=configs/glm.py", *model_flags,
+        [python, "-m", "mtpjax.serve", "--config=configs/glm.py", *model_flags,
          f"--config.cache_dir={cache_dir}", "--config.server.port=0", *flags],
-        cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
+        cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
     self.url = None
 
   def log(self) -> str:
