@@ -71,8 +71,9 @@ def _key(path: tuple) -> str:
 
 
 def save_part(directory: pathlib.Path, name: str, leaves: dict[tuple, jax.Array]) -> None:
-  checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(directory / "parts" / name, {_key(p): a for p, a in leaves.items()})
+  checkpointer = ocp.StandardCheckpointer()   # orbax takes absolute paths only
+  checkpointer.save(pathlib.Path(directory).absolute() / "parts" / name,
+                    {_key(p): a for p, a in leaves.items()})
   checkpointer.wait_until_finished()
 
 
@@ -106,7 +107,7 @@ def restore_leaves(directory, layout: StageLayout, expected: dict[tuple, Any],
   out: dict[tuple, jax.Array] = {}
   checkpointer = ocp.StandardCheckpointer()
   for part, keys in by_part.items():
-    part_dir = pathlib.Path(directory) / "parts" / part
+    part_dir = pathlib.Path(directory).absolute() / "parts" / part
     if not part_dir.exists():
       raise errors.CheckpointError(
           f"checkpoint part {part} is missing", path=str(part_dir), field=part,

@@ -88,3 +88,7 @@ class ContextLengthError(MtpjaxError):
 
 class KvPagesError(MtpjaxError):
   """The KV page pool (`engine.kv_pages`) is too small for a request, or for the engine."""
+
+
+class MemoryBudgetError(MtpjaxError):
+  """The engine's caches would not fit the memory of the devices that hold them."""

@@ -34,3 +34,33 @@ def enable_compilation_cache(config: Any) -> pathlib.Path | None:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   return folder
+
+
+class CacheUse:
+  """Counts the persistent-cache lookups of a span of this process (JAX's monitoring events),
+  so a start-up log says how many programs were compiled and how many came from the cache."""
+
+  _REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
+  _HITS = "/jax/compilation_cache/cache_hits"
+
+  def __init__(self):
+    self.requests = self.hits = 0
+
+  def _count(self, event: str, **_) -> None:
+    if event == self._REQUESTS:
+      self.requests += 1
+    elif event == self._HITS:
+      self.hits += 1
+
+  def __enter__(self) -> "CacheUse":
+    jax.monitoring.register_event_listener(self._count)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    jax.monitoring.unregister_event_listener(self._count)
+
+  def summary(self) -> str:
+    if not self.requests:
+      return "compilation cache off"
+    return (f"{self.requests - self.hits} programs compiled, {self.hits} loaded from the "
+            f"compilation cache")

@@ -1,7 +1,7 @@
 """The engine: jitted prefill, insert and decode / verify+draft steps over the stages of a plan.
 
 A single device (or a tensor-sharded mesh) is the plan of one stage that owns everything; a
-pipeline splits the model over several (DECODE.md §7 form B). Each stage is jitted on its own
+pipeline splits the model over several (docs/DECODE.md §7 form B). Each stage is jitted on its own
 sub-mesh; activations hop stage to stage (`pipeline_hops.py`), with the glm-dsa row selection
 when the next stage starts on a layer that reuses it (`StageLayout.takes_selection`). Slots are
 split into one group per stage (microbatches), and JAX's asynchronous dispatch lets stage s work
@@ -33,7 +33,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from mtpjax.engine import steps
+from mtpjax.engine import memory, steps
 from mtpjax.engine.contract import COUNT, EngineConfig, counted, slot_buckets
 from mtpjax.engine.page_pool import PagePool
 from mtpjax.engine.pipeline_hops import LocalHops
@@ -167,8 +167,32 @@ class Engine(PrefillSteps):
     """Zeros allocated on the last stage's devices."""
     return jnp.zeros(shape, dtype, device=self.hops.shardings[self.last])
 
+  def _cache_needs(self) -> list[tuple[object, int]]:
+    """(devices, bytes) of every page pool this process allocates: each local stage's trunk
+    pools, and the NextN block's pools and MTP history on the last stage."""
+    ec, kv = self.engine_cfg, kv_cache.storage_dtype(self.kv_dtype)
+    needs = []
+    for s, layout in enumerate(self.layouts):
+      if self.hops.local(s):
+        shapes = registry.cache_shapes(self.cfg, layout.layer_end - layout.layer_start,
+                                       ec.pool_pages, ec.kv_page)
+        needs.append((self.hops.shardings[s].device_set,
+                      memory.array_bytes([shape for pair in shapes for shape in pair], kv)))
+    if ec.native_mtp and self.hops.local(self.last):
+      (k, v), = registry.cache_shapes(self.cfg, 1, ec.pool_pages, ec.kv_page)
+      rows = (ec.pool_pages, ec.kv_page)
+      needs.append((self.hops.shardings[self.last].device_set,
+                    memory.array_bytes([k, v], kv) + memory.array_bytes([rows], np.int32)
+                    + memory.array_bytes([rows + (self.cfg.hidden,)],
+                                         kv_cache.storage_dtype(self.dtype))))
+    return needs
+
   def init_state(self) -> EngineState:
+    """Empty slots and page pools, refused up front when the pools cannot fit the memory."""
     ec = self.engine_cfg
+    memory.check_fits(self._cache_needs(), setting=(
+        f"engine.max_len {ec.max_len} with {ec.slots} slot{'s' if ec.slots != 1 else ''} ({ec.pool_pages} KV pages of "
+        f"{ec.kv_page} rows a layer, {jnp.dtype(self.kv_dtype).name} values)"))
     here = self.hops.local(self.last)
     groups = [Group(head=jax.device_put(steps.empty_head(self.cfg, ec, hi - lo, self.dtype),
                                         self.hops.shardings[self.last]) if here else None)

@@ -86,6 +86,10 @@ def build_service(config) -> Service:
   resolution = model.resolution
   logging.info("loaded %s in %.1f s", source, time.perf_counter() - started)
   logging.info("native MTP %s: %s", "on" if resolution.native_mtp else "off", resolution.reason)
+  if resolution.native_mtp:
+    window = resolution.draft_window
+    logging.info("draft window in force: %d to %d tokens a step, starting at %d%s", window.min,
+                 window.max, window.initial, " (adaptive)" if window.adaptive else "")
   logging.info("speculative drafting: %s", resolution.summary())
 
   settings = model.generation_settings
@@ -102,9 +106,10 @@ def build_service(config) -> Service:
 
   scheduler = SlotScheduler(engine, adaptive=drafting_policy, window=settings.draft_window,
                             drafter=drafting.drafter)
-  warm_s = _warm_up(scheduler)
-  logging.info("compiled and warmed up the engine in %.1f s (%d slots, max_len %d)", warm_s,
-               settings.slots, settings.max_len)
+  with warm_start.CacheUse() as cache_use:
+    warm_s = _warm_up(scheduler)
+  logging.info("warmed up the engine in %.1f s (%d slots, max_len %d): %s", warm_s,
+               settings.slots, settings.max_len, cache_use.summary())
 
   model_name = config.server.model_name
   metrics = ServerMetrics(model_name=model_name, settings=settings)
