@@ -2,7 +2,7 @@
 
 `source` is a layer package directory, a GGUF (plain or any shard of a split one) or a
 checkpoint written by `python -m mtpjax.convert`. Whether native MTP runs is resolved once from
-the config and the package metadata (SPECULATIVE.md); with it off, the MTP head is not loaded
+the config and the package metadata (docs/SPECULATIVE.md); with it off, the MTP head is not loaded
 until a call asks for it explicitly (`mtp_logits`, or `generate(speculative="native-mtp-n1")`).
 
 A model runs as the stages of a plan: one stage owning everything (a single device, or a
@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from mtpjax import checkpoint, errors, loading, runtime_options, sharding, speculative, text
@@ -417,11 +418,30 @@ def _weights_setting(weights: str | None, config) -> str | None:
   return None if weights is None else loading.resolve_weights(weights)
 
 
-def _int8_setting(int8_activations: bool | None, config) -> bool:
-  """The explicit argument wins over `config.model.int8_activations`; neither set: True."""
+def _int8_setting(int8_activations: bool | None, config, weights: str) -> bool:
+  """The explicit argument wins over `config.model.int8_activations`. On XLA:CPU with quantized
+  weights this builds the native kernel now (never inside a trace) and decides: neither set,
+  int8 rows where the kernel multiplies them (a warning where it cannot); True where it cannot
+  is a typed error, since float32 rows would give other tokens. Elsewhere the setting has no
+  effect (accelerators contract in float32)."""
   if int8_activations is None and config is not None:
     int8_activations = config.model.get("int8_activations")
-  return True if int8_activations is None else bool(int8_activations)
+  if jax.default_backend() != "cpu" or weights != "quantized":
+    return True if int8_activations is None else bool(int8_activations)
+  here = quantized.int8_rows_here()
+  if int8_activations is None:
+    if not here:
+      logging.warning("int8 rows cannot run here (%s): quantized weights multiply float32 rows, "
+                      "whose tokens can differ from a machine with the kernel's int8 rows",
+                      quantized.int8_rows_missing())
+    return here
+  if int8_activations and not here:
+    raise errors.MtpjaxError(
+        f"int8_activations=True needs the native CPU kernel's int8 rows, which cannot run "
+        f"here: {quantized.int8_rows_missing()}", field="model.int8_activations",
+        remedy="install a C++ compiler (g++, or set CXX) on a CPU with AVX2, or set "
+               "int8_activations=False (--config.model.int8_activations=false) for float32 rows")
+  return bool(int8_activations)
 
 
 def _mesh_settings(config, stages: int, splits) -> tuple[int, Sequence[int] | None, int]:
@@ -449,7 +469,7 @@ def load_pipelined(source, *, dtype: str, stages: int, splits=None, config=None,
   resolution = speculative.resolve_for_source(config or {}, _model_name(config), src)
   return PipelinedModel(src, cfg, dtype=dtype, resolution=resolution, plan=plan, config=config,
                         checkpoint_dir=checkpoint_dir, weights=weights,
-                        int8_activations=_int8_setting(int8_activations, config))
+                        int8_activations=_int8_setting(int8_activations, config, weights))
 
 
 def _model_name(config) -> str:
@@ -464,10 +484,11 @@ def load(source, *, dtype: str = "float32", weights: str | None = None, stages: 
   default; GGUF-quantized tensors stay integers + scales on the device, computing with values
   equal to gguf-py's dequantization) or "dense" (dequantized to `dtype` at load); None takes
   `config.model.weights`, or a checkpoint's own form. `int8_activations` (None takes
-  `config.model.int8_activations`, else True): on XLA:CPU, quantized weights multiply rows
-  rounded to int8 per block as integers, as llama.cpp does (about 2x faster decode there;
-  the weights stay exact, the results move by the rounding of the rows, and an "auto" KV
-  cache is llama.cpp's float16: `Model.kv_cache_name`); False keeps float32 rows.
+  `config.model.int8_activations`, else where the native kernel runs them): on XLA:CPU,
+  quantized weights multiply rows rounded to int8 per block as integers, as llama.cpp does
+  (about 2x faster decode there; the weights stay exact, the results move by the rounding of
+  the rows, and an "auto" KV cache is llama.cpp's float16: `Model.kv_cache_name`); False keeps
+  float32 rows; True where the kernel cannot run them is a typed error.
   """
   loading.resolve_dtype(dtype)
   weights = _weights_setting(weights, config)
@@ -482,4 +503,4 @@ def load(source, *, dtype: str = "float32", weights: str | None = None, stages: 
   resolution = speculative.resolve_for_source(config or {}, _model_name(config), src)
   return Model(src, cfg, dtype=dtype, resolution=resolution, config=config, mesh=mesh,
                checkpoint_dir=checkpoint_dir, weights=weights,
-               int8_activations=_int8_setting(int8_activations, config))
+               int8_activations=_int8_setting(int8_activations, config, weights))

@@ -347,6 +347,42 @@ class NativeBuildTest(absltest.TestCase):
     self.assertFalse(available)
     self.assertIn("native CPU kernels unavailable", log)
 
+  def test_a_cached_build_that_does_not_load_is_built_again_and_old_builds_pruned(self):
+    run = self._run_fresh(
+        "import os, time\n"
+        "from mtpjax.kernels import native\n"
+        "path = native.library_path()\n"
+        "path.parent.mkdir(parents=True, exist_ok=True)\n"
+        "path.write_bytes(b'not a library')\n"
+        "old, recent = path.parent / 'quant_matvec-old.so', path.parent / 'quant_matvec-new.so'\n"
+        "for build, age in ((old, 60 * 86400), (recent, 86400)):\n"
+        "  build.write_bytes(b'x'); os.utime(build, (time.time() - age,) * 2)\n"
+        "print(native.available(), old.exists(), recent.exists(), path.stat().st_size > 1000)")
+    self.assertEqual(run.stdout.split(), ["True", "False", "True", "True"], run.stderr)
+    self.assertIn("do not load", run.stderr)
+
+  def test_int8_rows_asked_for_without_the_kernel_are_a_typed_error(self):
+    # Float32 rows in their place would give other tokens than a machine with the kernel:
+    # asked for, that is refused; by default it is a warning and float32 rows.
+    path = FIXTURES / "glm4moe-tiny" / "glm4moe_h64-Q8_0.gguf"
+    run = self._run_fresh(
+        "import mtpjax\nfrom mtpjax import errors\n"
+        f"path = {str(path)!r}\n"
+        "try:\n  mtpjax.load(path, int8_activations=True)\n"
+        "except errors.MtpjaxError as e:\n  print('refused', e.field)\n"
+        "print('default', mtpjax.load(path).int8_activations)", MTPJAX_NATIVE="0")
+    self.assertEqual(run.stdout.splitlines(), ["refused model.int8_activations", "default False"])
+    self.assertIn("int8 rows cannot run here", run.stderr)
+
+  def test_the_compiler_is_part_of_the_build_key(self):
+    with tempfile.TemporaryDirectory() as folder:
+      other = pathlib.Path(folder) / "other-g++"
+      other.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "other 1.0" && exit 0\n'
+                       'exec g++ "$@"\n')
+      other.chmod(0o755)
+      key = "from mtpjax.kernels import native; print(native.library_path().name)"
+      self.assertNotEqual(self._run_fresh(key).stdout, self._run_fresh(key, CXX=str(other)).stdout)
+
   def test_switched_off_by_the_environment_a_model_keeps_its_logits(self):
     available, _ = self._available_in_a_fresh_process(MTPJAX_NATIVE="0")
     self.assertFalse(available)

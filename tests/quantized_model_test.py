@@ -118,10 +118,10 @@ class QuantizedFixtureTest(parameterized.TestCase):
     self.assertEqual(loading.weight_formats(types, model.config, layout, "dense"), {})
 
   def test_int8_activations_from_the_config_reach_every_quantized_tensor(self):
-    # configs/glm.py's switch (True there and by default), read by mtpjax.load; an explicit
-    # argument wins over it.
+    # configs/glm.py's switch (unset there and by default: int8 rows where the native kernel
+    # runs them, as it does here), read by mtpjax.load; an explicit argument wins over it.
     config = glm.get_config()
-    self.assertTrue(config.model.int8_activations)
+    self.assertIsNone(config.model.int8_activations)
     path = FIXTURE / "glm4moe_h64-Q4_K_M.gguf"
     config.model.int8_activations = False
     for kwargs, want in ((dict(config=config), False),

@@ -6,9 +6,11 @@ in one call, and `paged_attention.cc` attends a step's few query rows over a pag
 reading each row once (see their headers). They are built on first use into one library with
 the C++ compiler (`$CXX`, else `g++`) for this CPU (`-march=native`, or `$MTPJAX_NATIVE_MARCH`)
 against the FFI headers jaxlib ships, into `$MTPJAX_CACHE_DIR/native` (default
-`~/.cache/mtpjax/native`), keyed by the sources, the flags, jaxlib's version and the CPU, so
-later processes only load it. Where no compiler works, or `MTPJAX_NATIVE=0`, `available()` is
-False and the callers keep their XLA paths (logged once)."""
+`~/.cache/mtpjax/native`), keyed by the sources, the flags, the compiler's identity, jaxlib's
+version and the CPU, so later processes only load it. `mtpjax.load` builds it (`available()`),
+never a trace; a build has a time limit, a cached library that does not load is built again
+once, and builds unused for `_PRUNE_AFTER_S` are removed. Where no compiler works, or
+`MTPJAX_NATIVE=0`, `available()` is False and the callers keep their XLA paths (logged once)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +43,8 @@ _FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 TYPE_NAMES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # Rows one kernel call takes (its kMaxRows); `quant_matvec` splits longer calls.
 MAX_ROWS = 4096
+_BUILD_TIMEOUT_S = 600          # a build takes seconds; a hung compiler must not hang a load
+_PRUNE_AFTER_S = 30 * 86400     # libraries no process has loaded for 30 days
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -66,31 +71,87 @@ def _flags() -> tuple[str, ...]:
   return (*_FLAGS, f"-march={os.environ.get('MTPJAX_NATIVE_MARCH', 'native')}")
 
 
+def _compiler() -> str:
+  compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+  if not compiler:
+    raise RuntimeError("no C++ compiler (set CXX or install g++)")
+  return compiler
+
+
+def _compiler_identity(compiler: str) -> str:
+  """The compiler's path and `--version`: another compiler (or version) is another build."""
+  try:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=60).stdout
+  except (OSError, subprocess.TimeoutExpired) as e:
+    raise RuntimeError(f"cannot run the C++ compiler {compiler}: {e}") from e
+  return f"{shutil.which(compiler) or compiler}\n{version}"
+
+
 def library_path() -> pathlib.Path:
   key = hashlib.sha256("\0".join(
-      (*(p.read_text() for p in _SOURCES), " ".join(_flags()), jaxlib.__version__,
-       platform.machine(), _cpu_key())).encode()).hexdigest()[:16]
+      (*(p.read_text() for p in _SOURCES), " ".join(_flags()), _compiler_identity(_compiler()),
+       jaxlib.__version__, platform.machine(), _cpu_key())).encode()).hexdigest()[:16]
   return cache_dir() / f"quant_matvec-{key}.so"
 
 
 def _compile(out: pathlib.Path) -> None:
   """Builds the library into a temporary file beside `out`, then renames it into place (two
   processes building at once each write their own file; the last rename wins, same bytes)."""
-  compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-  if not compiler:
-    raise RuntimeError("no C++ compiler (set CXX or install g++)")
+  compiler = _compiler()
   out.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
   os.close(fd)
   try:
     subprocess.run([compiler, *_flags(), f"-I{jax.ffi.include_dir()}", *map(str, _UNITS),
-                    "-o", tmp], check=True, capture_output=True, text=True)
+                    "-o", tmp], check=True, capture_output=True, text=True,
+                   timeout=_BUILD_TIMEOUT_S)
     os.replace(tmp, out)
   except subprocess.CalledProcessError as e:
     raise RuntimeError(f"{compiler} failed on {_HERE}:\n{e.stderr[-2000:]}") from e
+  except subprocess.TimeoutExpired as e:
+    raise RuntimeError(f"{compiler} took over {_BUILD_TIMEOUT_S} s on {_HERE}") from e
   finally:
     if os.path.exists(tmp):
       os.unlink(tmp)
+
+
+def _prune(keep: pathlib.Path) -> None:
+  """Removes the cache's other builds that no process has loaded for `_PRUNE_AFTER_S`."""
+  old = time.time() - _PRUNE_AFTER_S
+  for build in keep.parent.glob("quant_matvec-*.so"):
+    try:
+      if build != keep and build.stat().st_mtime < old:
+        build.unlink()
+    except OSError:
+      pass
+
+
+def _open_library(path: pathlib.Path) -> ctypes.CDLL:
+  """The built library at `path` (built now if missing), its targets registered with XLA; a
+  cached build that does not load (truncated, another ABI) is built again once."""
+  started, built = time.perf_counter(), False
+  if not path.exists():
+    _compile(path)
+    built = True
+  try:
+    library = ctypes.CDLL(str(path))
+    symbols = (library.MtpjaxQuantMatvec, library.MtpjaxQuantSwiglu,
+               library.MtpjaxPagedAttention, library.MtpjaxIntegerRows)
+  except (OSError, AttributeError) as e:
+    if built:
+      raise RuntimeError(f"the library just built does not load: {e}") from e
+    logging.warning("the cached native kernels at %s do not load (%s); building them again",
+                    path, e)
+    path.unlink(missing_ok=True)
+    return _open_library(path)
+  for target, symbol in zip((_TARGET, _SWIGLU_TARGET, _ATTENTION_TARGET), symbols):
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
+  os.utime(path)     # marks it used, so `_prune` keeps it
+  _prune(path)
+  logging.info("native CPU kernels %s %s in %.1f s", "built into" if built else "loaded from",
+               path, time.perf_counter() - started)
+  return library
 
 
 def available() -> bool:
@@ -105,18 +166,9 @@ def _load() -> bool:
   if os.environ.get("MTPJAX_NATIVE", "1") == "0":
     logging.info("native CPU kernels off (MTPJAX_NATIVE=0)")
     return False
-  path = library_path()
   try:
-    if not path.exists():
-      _compile(path)
-    library = ctypes.CDLL(str(path))
-    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.MtpjaxQuantMatvec),
-                                platform="cpu")
-    jax.ffi.register_ffi_target(_SWIGLU_TARGET, jax.ffi.pycapsule(library.MtpjaxQuantSwiglu),
-                                platform="cpu")
-    jax.ffi.register_ffi_target(_ATTENTION_TARGET,
-                                jax.ffi.pycapsule(library.MtpjaxPagedAttention), platform="cpu")
-  except (OSError, RuntimeError, AttributeError) as e:
+    library = _open_library(library_path())
+  except (OSError, RuntimeError) as e:
     logging.warning("native CPU kernels unavailable, using XLA's paths: %s", e)
     return False
   _state["library"] = library     # keeps the handler's code loaded

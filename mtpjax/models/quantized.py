@@ -285,6 +285,21 @@ def takes_native(type_name: str, rows: int, int8_activations: bool = False) -> b
   return rows <= NATIVE_ROWS and native.available()
 
 
+def int8_rows_here() -> bool:
+  """Whether this process can multiply int8 rows as integers (XLA:CPU, the native kernel
+  built with its AVX2 paths); builds the kernel if it is not yet."""
+  return jax.default_backend() == "cpu" and native.integer_rows("Q8_0")
+
+
+def int8_rows_missing() -> str:
+  """Why `int8_rows_here` is False, for errors and logs."""
+  if jax.default_backend() != "cpu":
+    return f"the {jax.default_backend()} backend contracts in float32"
+  if not native.available():
+    return "the native CPU kernel did not build (MTPJAX_NATIVE=0, or no working C++ compiler)"
+  return "the native CPU kernel's build has no AVX2 integer paths (the portable build)"
+
+
 def multiplies_int8_rows(type_names: Iterable[str]) -> bool:
   """Whether int8 rows multiply as integers against any of these weight types here (XLA:CPU
   with the native kernel built): llama.cpp's CPU arithmetic."""
