@@ -77,13 +77,14 @@ class Model:
     self._checkpoint_dir = checkpoint_dir
     self._weights: dict[bool, Any] = {}
     self._engines: dict[EngineConfig, Engine] = {}
+    # The config's engine settings, resolved once (the defaults without a config).
+    self.engine_settings = (EngineConfig.from_config(config.engine) if config is not None
+                            else EngineConfig())
     # The resolved flag, carried unchanged to the loader, every stage and the server.
-    engine = config.engine if config is not None else None
+    settings = self.engine_settings
     self.load_options, self.generation_settings = runtime_options.consumers_from_resolution(
-        resolution, dtype=dtype, max_len=engine.max_len if engine else EngineConfig.max_len,
-        slots=engine.slots if engine else 1,
-        prefill_buckets=engine.prefill_buckets if engine else EngineConfig.prefill_buckets,
-        timing=engine.timing if engine else False)
+        resolution, dtype=dtype, max_len=settings.max_len, slots=settings.slots,
+        prefill_buckets=settings.prefill_buckets, timing=settings.timing)
     self.weights(with_mtp=self.load_options.native_mtp)
 
   @functools.cached_property
@@ -282,29 +283,25 @@ class Model:
         self._run_config or {}, _model_name(self._run_config), self.source,
         override=(requested, "generate(speculative=...)"))
 
-  def engine(self, *, native_mtp: bool, slots: int = 1, max_len: int = 512,
-             prefill_buckets: Sequence[int] | None = None, timing: bool = False,
-             logprobs: int = 0, prefix_cache: int = 0, draft_tokens: int = 1,
-             host_drafts: bool = False, kv_page: int = EngineConfig.kv_page,
-             kv_pages: int = 0, kv_cache_dtype: str = EngineConfig.kv_cache_dtype,
-             decode_steps: int = EngineConfig.decode_steps) -> Engine:
+  def engine(self, *, native_mtp: bool, draft_tokens: int = 1, host_drafts: bool = False,
+             settings: EngineConfig | None = None, **overrides) -> Engine:
     """A compiled engine, cached by its settings so repeated calls reuse the compiled steps.
-    `prefix_cache`: prompt prefixes kept for reuse (0: none); `draft_tokens`: the deepest
-    draft window its steps verify (native MTP, or `host_drafts`: an n-gram proposer's, alone
-    or extending the MTP chain); `kv_page` rows per KV page and `kv_pages` pages per pool
-    (0: every slot at full context); `kv_cache_dtype` the KV cache's values ("auto" as
-    `kv_cache_name` resolves it); `decode_steps` the decode positions one dispatch computes
-    while no drafts are verified (`EngineConfig.decode_steps`)."""
+
+    `settings`: the engine settings (default `EngineConfig()`, the defaults the server config
+    reads too), with `overrides` of its fields (`slots`, `max_len`, `prefill_buckets`,
+    `timing`, `logprobs`, `prefix_cache`, `kv_page`, `kv_pages`, `kv_cache_dtype`,
+    `decode_steps`); prefill buckets not given are the settings' that fit `max_len`.
+    `draft_tokens`: the deepest draft window its steps verify (native MTP, or `host_drafts`:
+    an n-gram proposer's, alone or extending the MTP chain). A `kv_cache_dtype` of "auto" is
+    resolved as `kv_cache_name` says."""
+    engine_cfg = dataclasses.replace(settings or EngineConfig(), **overrides)
+    if "prefill_buckets" not in overrides:
+      engine_cfg = dataclasses.replace(engine_cfg, prefill_buckets=engine_cfg.fitting_buckets())
     drafts = native_mtp or host_drafts
-    settings = dict(slots=slots, native_mtp=native_mtp, timing=timing, logprobs=logprobs,
-                    prefix_cache=prefix_cache, draft_tokens=draft_tokens if drafts else 1,
-                    host_drafts=host_drafts, kv_page=kv_page, kv_pages=kv_pages,
-                    kv_cache_dtype=self.kv_cache_name(kv_cache_dtype),
-                    decode_steps=decode_steps)
-    engine_cfg = (EngineConfig(max_len=max_len, prefill_buckets=tuple(prefill_buckets),
-                               **settings)
-                  if prefill_buckets else
-                  EngineConfig.with_default_buckets(max_len=max_len, **settings))
+    engine_cfg = dataclasses.replace(
+        engine_cfg, native_mtp=native_mtp, draft_tokens=draft_tokens if drafts else 1,
+        host_drafts=host_drafts, prefill_buckets=tuple(engine_cfg.prefill_buckets),
+        kv_cache_dtype=self.kv_cache_name(engine_cfg.kv_cache_dtype))
     if engine_cfg not in self._engines:
       self._engines[engine_cfg] = Engine(
           self.stage_weights(with_mtp=native_mtp), self.stage_layouts(with_mtp=native_mtp),
@@ -320,8 +317,9 @@ class Model:
     return self.engine(native_mtp=resolution.native_mtp, draft_tokens=drafting.draft_tokens,
                        host_drafts=drafting.host, **settings), drafting
 
-  def generate(self, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids=(),
+  def generate(self, prompt_ids, *, max_new_tokens: int,
+               temperature: float = SamplerParams.temperature, top_k: int = SamplerParams.top_k,
+               top_p: float = SamplerParams.top_p, seed: int = SamplerParams.seed, stop_ids=(),
                speculative: str | None = None, timing: bool = False,
                adaptive_drafting: bool = True, logprobs: bool = False,
                draft_window: DraftWindow | None = None, kv_cache_dtype: str = "auto",
@@ -341,7 +339,9 @@ class Model:
     window = resolution.draft_window if draft_window is None else draft_window
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     max_len = max(128, pow2_bucket(prompt.size + max_new_tokens + 1))
-    engine, drafting = self.drafting_engine(resolution, window, max_len=max_len, timing=timing,
+    # One request: one slot, and no prefix cache (its state lives only for this call).
+    engine, drafting = self.drafting_engine(resolution, window, slots=1, max_len=max_len,
+                                            timing=timing, prefix_cache=0,
                                             logprobs=MAX_TOP_LOGPROBS if logprobs else 0,
                                             kv_cache_dtype=kv_cache_dtype,
                                             decode_steps=decode_steps)

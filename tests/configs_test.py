@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -14,6 +15,10 @@ from ml_collections import config_flags
 
 from configs import glm
 from configs import tiny
+from mtpjax import api
+from mtpjax.engine.contract import EngineConfig
+from mtpjax.engine.drafting_policy import AdaptiveDrafting
+from mtpjax.engine.sampling import DEFAULT_MAX_NEW_TOKENS, SamplerParams
 from mtpjax import speculative
 from mtpjax.errors import SpeculativeConfigError
 
@@ -30,6 +35,32 @@ def parse(*args: str):
                                   sys_argv=argv)
   flag_values(argv)
   return flag_values.config
+
+
+class OneSetOfDefaultsTest(absltest.TestCase):
+  """The server config sets the library's defaults: the engine's (`EngineConfig`), the
+  sampler's (`SamplerParams`, `Model.generate`), the drafting policy's and the token limit."""
+
+  def test_every_engine_setting_of_the_config_is_the_library_default(self):
+    config = glm.get_config()
+    self.assertEqual(set(config.engine.keys()),
+                     set(EngineConfig.SETTINGS) | {"seed", "adaptive_drafting"})
+    self.assertEqual(EngineConfig.from_config(config.engine), EngineConfig())
+    self.assertEqual(AdaptiveDrafting.from_mode(config.engine.adaptive_drafting),
+                     AdaptiveDrafting())
+    self.assertEqual(config.engine.seed, SamplerParams().seed)
+
+  def test_every_sampling_default_of_the_config_is_the_library_default(self):
+    config = glm.get_config()
+    sampling = config.sampling
+    generate = inspect.signature(api.Model.generate).parameters
+    for name in ("temperature", "top_k", "top_p"):
+      self.assertEqual(sampling[name], getattr(SamplerParams(), name), name)
+      self.assertEqual(generate[name].default, getattr(SamplerParams(), name), name)
+    self.assertEqual(generate["seed"].default, SamplerParams().seed)
+    self.assertEqual(generate["decode_steps"].default, EngineConfig().decode_steps)
+    self.assertEqual(sampling.max_new_tokens, DEFAULT_MAX_NEW_TOKENS)
+    self.assertEqual(set(sampling.keys()), {"temperature", "top_k", "top_p", "max_new_tokens"})
 
 
 class GetConfigTest(parameterized.TestCase):

@@ -3,6 +3,7 @@ a context that cannot fit memory, `--help`, and the shipped config found from an
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import shutil
@@ -17,6 +18,7 @@ import mtpjax
 from fixtures import FIXTURES
 from mtpjax import errors, serve
 from mtpjax.configs import glm
+from mtpjax.engine.contract import EngineConfig
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 GGUF = FIXTURES / "glm4moe-tiny" / "glm4moe_h64-Q8_0.gguf"
@@ -49,6 +51,14 @@ class RelativePathsTest(absltest.TestCase):
 
 
 class ImpossibleSettingsTest(absltest.TestCase):
+
+  def test_an_engine_without_settings_has_the_servers_defaults(self):
+    model = mtpjax.load(str(GGUF))
+    self.assertEqual(model.engine_settings, EngineConfig())
+    self.assertEqual(model.engine(native_mtp=False).engine_cfg, dataclasses.replace(
+        EngineConfig(), kv_cache_dtype=model.kv_cache_name("auto")))
+    self.assertEqual(mtpjax.load(str(GGUF), config=glm.get_config()).engine_settings,
+                     EngineConfig())
 
   def test_a_context_that_cannot_fit_memory_is_a_typed_error_naming_the_field(self):
     model = mtpjax.load(str(GGUF))

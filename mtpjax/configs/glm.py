@@ -11,6 +11,9 @@ from __future__ import annotations
 import ml_collections
 from ml_collections import config_dict
 
+from mtpjax.engine.contract import EngineConfig
+from mtpjax.engine.drafting_policy import AdaptiveDrafting
+from mtpjax.engine.sampling import DEFAULT_MAX_NEW_TOKENS, SamplerParams
 from mtpjax.testing import embedded_tiny  # noqa: F401  (registers the `embedded:tiny` source)
 
 # Every variant keys its per-model settings as `models.glm`, so one command line
@@ -62,45 +65,47 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   config.mesh.splits = config_dict.placeholder(tuple)   # layer boundaries; None = even split
   config.mesh.tensor = 1
 
+  # Engine and sampling defaults are the library's (EngineConfig, SamplerParams): one set.
+  engine, sampler = EngineConfig(), SamplerParams()
   config.engine = ml_collections.ConfigDict()
-  config.engine.slots = 4
+  config.engine.slots = engine.slots
   # The context length (prompt + generated tokens). Attention reads only the cache pages a
   # sequence holds, so a step costs what it holds (README, "Context length and memory").
-  config.engine.max_len = 8192
+  config.engine.max_len = engine.max_len
   # Trunk KV cache pages: rows per page (a power of two dividing the smallest prefill bucket)
   # and pages per layer's pool, shared by all slots; 0 is enough for every slot at max_len.
   # A smaller pool makes requests wait for pages (never fail) and refuses, up front, a
   # request whose prompt + max_tokens could never fit.
-  config.engine.kv_page = 16
-  config.engine.kv_pages = 0
+  config.engine.kv_page = engine.kv_page
+  config.engine.kv_pages = engine.kv_pages
   # The KV cache's values: auto (the activation dtype, model.dtype), bfloat16 or float16 (half
   # a float32 model's KV bytes; float16 is llama.cpp's default) or float32 (README, "Context
   # length and memory").
-  config.engine.kv_cache_dtype = "auto"
+  config.engine.kv_cache_dtype = engine.kv_cache_dtype
   # Steps one dispatch runs (a burst, on one stage: MTP off's, native MTP's plain and drafting
   # steps): the host's per-step work is paid once for all of them, and the tokens are the
   # same. A burst runs only while no prompt waits to be prefilled beside a free slot, so first
   # tokens are not delayed; a stream gets its tokens that many steps at a time. 1: one step a
   # dispatch.
-  config.engine.decode_steps = 4
+  config.engine.decode_steps = engine.decode_steps
   # Prompt prefixes (whole pages of the largest bucket) kept for reuse by later prompts that
   # start the same way, least recently used first out; 0 turns prefix caching off.
-  config.engine.prefix_cache = 8
-  config.engine.prefill_buckets = (16, 32, 64, 128, 256)
-  config.engine.timing = False     # syncs after draft/verify to fill the *_compute_us counters
-  config.engine.seed = 0
+  config.engine.prefix_cache = engine.prefix_cache
+  config.engine.prefill_buckets = engine.prefill_buckets
+  config.engine.timing = engine.timing   # syncs after draft/verify for the *_compute_us counters
+  config.engine.seed = sampler.seed      # seeds the requests that name none
   # When to draft (AdaptiveDrafting): "cost" pauses drafting while it does not pay in wall time
   # or while a slot's drafts are rejected; "accept_rate" only the latter; "off" always drafts.
-  config.engine.adaptive_drafting = "cost"
+  config.engine.adaptive_drafting = AdaptiveDrafting.DEFAULT_MODE
   # Top logprobs per token a step computes while a request asks for logprobs (at most 20,
   # OpenAI's limit); 0: the server refuses logprobs.
-  config.engine.logprobs = 20
+  config.engine.logprobs = engine.logprobs
 
   config.sampling = ml_collections.ConfigDict()
-  config.sampling.temperature = 0.0
-  config.sampling.top_k = 0
-  config.sampling.top_p = 1.0
-  config.sampling.max_new_tokens = 128
+  config.sampling.temperature = sampler.temperature
+  config.sampling.top_k = sampler.top_k
+  config.sampling.top_p = sampler.top_p
+  config.sampling.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
 
   config.defaults = ml_collections.ConfigDict()
   config.defaults.speculative = _speculative()

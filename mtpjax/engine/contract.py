@@ -27,8 +27,6 @@ from mtpjax.models.config import ModelConfig
 # whose host extends native MTP's drafts (`EngineConfig.mtp_chain_columns`) appends the slot's
 # next MTP chain, draft_tokens more columns.
 TOKEN_A, TOKEN_B, COUNT, ACCEPTED = range(4)
-# Prompt buckets of an engine built without explicit ones (those that fit its cache are kept).
-DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")   # `EngineConfig.kv_cache_dtype`
 # The longest burst (`EngineConfig.decode_steps`): past a few steps a dispatch's cost is
 # already amortized, and a burst delays admitting a waiting request by its length.
@@ -75,25 +73,41 @@ def counted(trace_counts: dict[str, int], name: str, fn: Callable) -> Callable:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-  slots: int = 1
-  max_len: int = 512                       # prompt + generated tokens per sequence
-  prefill_buckets: tuple[int, ...] = DEFAULT_PREFILL_BUCKETS[:6]
+  """An engine's settings, resolved once (`from_config` for a config's `engine` group). Its
+  defaults are THE defaults: the server config (`mtpjax/configs/glm.py`), `Model.engine` and
+  the benchmarks read them from here."""
+  slots: int = 4                           # sequences decoded together (continuous batching)
+  max_len: int = 8192                      # prompt + generated tokens per sequence
+  # Compiled prompt chunk sizes: longer prompts are prefilled in chunks of the largest that
+  # fits, between the live streams' steps (a larger chunk would delay them longer).
+  prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256)
   native_mtp: bool = False
   timing: bool = False                     # sync after verify and draft to time them
-  logprobs: int = 0                        # top logprobs per committed token (0: none computed)
-  prefix_cache: int = 0                    # cached prompt prefixes kept (0: no prefix caching)
+  logprobs: int = 20                       # top logprobs a step computes (0: none computed)
+  prefix_cache: int = 8                    # cached prompt prefixes kept (0: no prefix caching)
   draft_tokens: int = 1                    # most drafts a step verifies (window max)
   host_drafts: bool = False                # the host proposes drafts (n-gram, alone or after MTP)
   kv_page: int = 16                        # trunk cache rows per page (a power of two)
   kv_pages: int = 0                        # pages per layer's pool (0: every slot at max_len)
   kv_cache_dtype: str = "auto"             # attention caches' values (auto: the activations')
-  decode_steps: int = 1                    # steps a burst runs in one dispatch
+  decode_steps: int = 4                    # steps a burst runs in one dispatch
+
+  # The fields a config's `engine` group sets (the rest follow from the model and strategy).
+  SETTINGS = ("slots", "max_len", "prefill_buckets", "timing", "logprobs", "prefix_cache",
+              "kv_page", "kv_pages", "kv_cache_dtype", "decode_steps")
 
   @classmethod
-  def with_default_buckets(cls, *, max_len: int, **kwargs) -> "EngineConfig":
-    cache_len = max_len + 2
-    return cls(max_len=max_len, prefill_buckets=tuple(
-        b for b in DEFAULT_PREFILL_BUCKETS if b <= cache_len), **kwargs)
+  def from_config(cls, engine) -> "EngineConfig":
+    """The settings of a config's `engine` group (an ml_collections group or a mapping)."""
+    values = {name: engine[name] for name in cls.SETTINGS}
+    values["prefill_buckets"] = tuple(int(b) for b in values["prefill_buckets"])
+    return cls(**{name: value if name in ("prefill_buckets", "kv_cache_dtype", "timing")
+                  else int(value) for name, value in values.items()})
+
+  def fitting_buckets(self) -> tuple[int, ...]:
+    """This config's prefill buckets that fit its cache (a default set for a short context
+    keeps only its smaller sizes)."""
+    return tuple(b for b in self.prefill_buckets if b <= self.max_len + 2)
 
   @property
   def cache_len(self) -> int:

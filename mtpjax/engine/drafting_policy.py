@@ -52,6 +52,7 @@ class AdaptiveDrafting:
   hopeless_pause: int = 1024
 
   MODES = ("cost", "accept_rate", "off")
+  DEFAULT_MODE = "cost"     # the mode `AdaptiveDrafting()` is (the library's and the server's)
 
   @classmethod
   def from_mode(cls, mode: str) -> "AdaptiveDrafting | None":

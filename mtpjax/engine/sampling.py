@@ -21,6 +21,7 @@ from mtpjax import errors
 MAX_TOP_K = 2**31 - 1
 # The most alternatives per token an engine computes (OpenAI's limit for top_logprobs).
 MAX_TOP_LOGPROBS = 20
+DEFAULT_MAX_NEW_TOKENS = 128    # tokens a request that names no limit may generate (the server's)
 
 
 @dataclasses.dataclass(frozen=True)

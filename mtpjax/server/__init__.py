@@ -93,12 +93,9 @@ def build_service(config) -> Service:
   logging.info("speculative drafting: %s", resolution.summary())
 
   settings = model.generation_settings
-  engine, drafting = model.drafting_engine(
-      resolution, settings.draft_window, slots=settings.slots, max_len=settings.max_len,
-      prefill_buckets=settings.prefill_buckets, timing=settings.timing,
-      logprobs=int(engine_cfg.logprobs), prefix_cache=int(engine_cfg.prefix_cache),
-      kv_page=int(engine_cfg.kv_page), kv_pages=int(engine_cfg.kv_pages),
-      kv_cache_dtype=str(engine_cfg.kv_cache_dtype), decode_steps=int(engine_cfg.decode_steps))
+  engine, drafting = model.drafting_engine(resolution, settings.draft_window,
+                                           settings=model.engine_settings,
+                                           prefill_buckets=model.engine_settings.prefill_buckets)
   tokenizer = GgufTokenizer.from_metadata(model.metadata, path=source)
   chat_template = BudgetedChatTemplate.from_metadata(
       model.metadata, path=source,
