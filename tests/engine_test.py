@@ -132,7 +132,8 @@ class FixtureTest(parameterized.TestCase):
 
   def test_warm_up_compiles_everything_requests_need(self):
     """After warm_up, prompts in both buckets and paused drafting trigger no compile."""
-    engine = self.model.engine(native_mtp=True, slots=3, max_len=64, prefill_buckets=(16, 32))
+    engine = self.model.engine(native_mtp=True, slots=3, max_len=64, prefill_buckets=(16, 32),
+                               decode_steps=1)    # single steps (bursts: overlapped_steps_test)
     warm_up(engine)
     traces = dict(engine.trace_counts)
     self.assertEqual(engine.slot_buckets, (1, 2, 3))   # each step over 1, 2 or 3 slots
@@ -152,7 +153,9 @@ class FixtureTest(parameterized.TestCase):
     self.assertEqual(result.tokens, self.ref["greedy_ids"][:12].tolist())
     self.assertGreater(result.stats.proposal_compute_us, 0)
     self.assertGreater(result.stats.verification_compute_us, 0)
-    engine = self.model.engine(native_mtp=True, max_len=128, timing=True)
+    # The engine `generate` built: one slot, no prefix cache, no logprobs.
+    engine = self.model.engine(native_mtp=True, slots=1, max_len=128, timing=True,
+                               prefix_cache=0, logprobs=0)
     self.assertEqual(engine.trace_counts, {"prefill": 1, "insert": 1, "verify": 1, "draft": 1})
 
 

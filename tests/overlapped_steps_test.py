@@ -101,8 +101,11 @@ class OverlappedStepsTest(TinyModelTest):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
+    # Single steps and no prefix cache: the recording counts each step's rows, and every
+    # page is free after.
     cls.engine = cls.model.engine(native_mtp=False, slots=SLOTS, max_len=MAX_LEN,
-                                  prefill_buckets=(16,), kv_pages=POOL)
+                                  prefill_buckets=(16,), kv_pages=POOL, decode_steps=1,
+                                  prefix_cache=0)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 512, size=int(n)).astype(np.int32)
                for n in rng.integers(2, 20, size=7)]
@@ -183,8 +186,8 @@ class DecodeBurstTest(TinyModelTest):
   def setUpClass(cls):
     super().setUpClass()
     settings = dict(native_mtp=False, slots=SLOTS, max_len=MAX_LEN, prefill_buckets=(16,),
-                    kv_pages=POOL, logprobs=3)
-    cls.single = cls.model.engine(**settings)
+                    kv_pages=POOL, logprobs=3, prefix_cache=0)
+    cls.single = cls.model.engine(decode_steps=1, **settings)
     cls.burst = cls.model.engine(decode_steps=BURST, **settings)
     rng = np.random.default_rng(11)
     # The 40-token prompt is prefilled in three chunks, beside the request before it.
