@@ -290,12 +290,13 @@ class Model:
     `settings`: the engine settings (default `EngineConfig()`, the defaults the server config
     reads too), with `overrides` of its fields (`slots`, `max_len`, `prefill_buckets`,
     `timing`, `logprobs`, `prefix_cache`, `kv_page`, `kv_pages`, `kv_cache_dtype`,
-    `decode_steps`); prefill buckets not given are the settings' that fit `max_len`.
+    `decode_steps`); without `settings` or `prefill_buckets`, the default buckets that fit
+    `max_len`.
     `draft_tokens`: the deepest draft window its steps verify (native MTP, or `host_drafts`:
     an n-gram proposer's, alone or extending the MTP chain). A `kv_cache_dtype` of "auto" is
     resolved as `kv_cache_name` says."""
     engine_cfg = dataclasses.replace(settings or EngineConfig(), **overrides)
-    if "prefill_buckets" not in overrides:
+    if settings is None and "prefill_buckets" not in overrides:
       engine_cfg = dataclasses.replace(engine_cfg, prefill_buckets=engine_cfg.fitting_buckets())
     drafts = native_mtp or host_drafts
     engine_cfg = dataclasses.replace(

@@ -61,6 +61,6 @@ class CacheUse:
 
   def summary(self) -> str:
     if not self.requests:
-      return "compilation cache off"
+      return "no compilation cache lookups (the cache is off)"
     return (f"{self.requests - self.hits} programs compiled, {self.hits} loaded from the "
             f"compilation cache")

@@ -75,6 +75,10 @@ class DemoServerTest(absltest.TestCase):
     # The installed copy's demo package, not the checkout's.
     self.assertNotEqual(self.installed, REPO / "mtpjax")
     self.assertIn(str(self.installed / "assets" / "glm-demo"), self.server.log())
+    # The log says what warm-up compiled or loaded, and the demo's draft window.
+    self.assertRegex(self.server.log(), r"warmed up the engine in [0-9.]+ s \(4 slots, max_len "
+                     r"8192\): \d+ programs compiled, \d+ loaded from the compilation cache")
+    self.assertIn("draft window in force: 1 to 3 tokens a step", self.server.log())
     self.assertEqual([m.id for m in self.client.models.list().data], [DEMO_MODEL])
     reply = self.client.chat.completions.create(
         model=DEMO_MODEL, max_tokens=24,

@@ -190,9 +190,10 @@ class Engine(PrefillSteps):
   def init_state(self) -> EngineState:
     """Empty slots and page pools, refused up front when the pools cannot fit the memory."""
     ec = self.engine_cfg
+    slots = f"{ec.slots} slot{'s' if ec.slots != 1 else ''}"
     memory.check_fits(self._cache_needs(), setting=(
-        f"engine.max_len {ec.max_len} with {ec.slots} slot{'s' if ec.slots != 1 else ''} ({ec.pool_pages} KV pages of "
-        f"{ec.kv_page} rows a layer, {jnp.dtype(self.kv_dtype).name} values)"))
+        f"engine.max_len {ec.max_len} with {slots} ({ec.pool_pages} KV pages of {ec.kv_page} "
+        f"rows a layer, {jnp.dtype(self.kv_dtype).name} values)"))
     here = self.hops.local(self.last)
     groups = [Group(head=jax.device_put(steps.empty_head(self.cfg, ec, hi - lo, self.dtype),
                                         self.hops.shardings[self.last]) if here else None)

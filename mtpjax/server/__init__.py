@@ -94,8 +94,7 @@ def build_service(config) -> Service:
 
   settings = model.generation_settings
   engine, drafting = model.drafting_engine(resolution, settings.draft_window,
-                                           settings=model.engine_settings,
-                                           prefill_buckets=model.engine_settings.prefill_buckets)
+                                           settings=model.engine_settings)
   tokenizer = GgufTokenizer.from_metadata(model.metadata, path=source)
   chat_template = BudgetedChatTemplate.from_metadata(
       model.metadata, path=source,
