@@ -16,7 +16,7 @@ import numpy as np
 
 from mtpjax import errors
 from mtpjax.draft_window import MAX_DRAFT_TOKENS
-from mtpjax.engine.sampling import SamplerParams
+from mtpjax.engine.sampling import MAX_TOP_LOGPROBS, SamplerParams
 from mtpjax.models import kv_cache
 from mtpjax.models.config import ModelConfig
 
@@ -83,7 +83,7 @@ class EngineConfig:
   prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256)
   native_mtp: bool = False
   timing: bool = False                     # sync after verify and draft to time them
-  logprobs: int = 20                       # top logprobs a step computes (0: none computed)
+  logprobs: int = MAX_TOP_LOGPROBS         # top logprobs a step computes (0: none computed)
   prefix_cache: int = 8                    # cached prompt prefixes kept (0: no prefix caching)
   draft_tokens: int = 1                    # most drafts a step verifies (window max)
   host_drafts: bool = False                # the host proposes drafts (n-gram, alone or after MTP)
@@ -99,10 +99,8 @@ class EngineConfig:
   @classmethod
   def from_config(cls, engine) -> "EngineConfig":
     """The settings of a config's `engine` group (an ml_collections group or a mapping)."""
-    values = {name: engine[name] for name in cls.SETTINGS}
-    values["prefill_buckets"] = tuple(int(b) for b in values["prefill_buckets"])
-    return cls(**{name: value if name in ("prefill_buckets", "kv_cache_dtype", "timing")
-                  else int(value) for name, value in values.items()})
+    values = {name: engine[name] for name in cls.SETTINGS}   # typed by the config already
+    return cls(**dict(values, prefill_buckets=tuple(values["prefill_buckets"])))
 
   def fitting_buckets(self) -> tuple[int, ...]:
     """This config's prefill buckets that fit its cache (a default set for a short context

@@ -17,7 +17,7 @@ from absl import logging
 
 import mtpjax
 from mtpjax import distributed, embedded, errors, speculative, warm_start
-from mtpjax.engine.contract import check_kv_cache_dtype, warm_up
+from mtpjax.engine.contract import EngineConfig, check_kv_cache_dtype, warm_up
 from mtpjax.engine.drafting_policy import AdaptiveDrafting
 from mtpjax.engine.sampling import MAX_TOP_LOGPROBS
 from mtpjax.engine.scheduler import SlotScheduler
@@ -33,15 +33,15 @@ from mtpjax.server.worker import EngineWorker
 __all__ = ["Service", "build_service", "create_app", "serve"]
 
 
-def _max_prompt_tokens(max_len: int, buckets: tuple[int, ...]) -> int:
+def _max_prompt_tokens(settings: EngineConfig) -> int:
   """The longest prompt the engine accepts: one short of the context, prefilled in chunks of
   the largest bucket that fits the cache."""
-  usable = [b for b in buckets if b <= max_len + 2]
-  if not usable:
+  if not settings.fitting_buckets():
     raise errors.MtpjaxError(
-        f"no prefill bucket in {buckets} fits engine.max_len {max_len}",
-        field="engine.prefill_buckets", remedy="add a bucket no larger than engine.max_len + 2")
-  return max_len - 1
+        f"no prefill bucket in {settings.prefill_buckets} fits engine.max_len "
+        f"{settings.max_len}", field="engine.prefill_buckets",
+        remedy="add a bucket no larger than engine.max_len + 2")
+  return settings.max_len - 1
 
 
 def _warm_up(scheduler: SlotScheduler) -> float:
@@ -70,8 +70,8 @@ def build_service(config) -> Service:
   speculative.max_draft_tokens_from_config(config, config.model.name)
   drafting_policy = AdaptiveDrafting.from_mode(config.engine.adaptive_drafting)
   limits = ServerLimits.from_config(config.server)
-  engine_cfg = config.engine
-  max_prompt = _max_prompt_tokens(engine_cfg.max_len, tuple(engine_cfg.prefill_buckets))
+  engine_cfg = EngineConfig.from_config(config.engine)   # checked before any I/O
+  max_prompt = _max_prompt_tokens(engine_cfg)
   if not 0 <= engine_cfg.logprobs <= MAX_TOP_LOGPROBS:
     raise errors.MtpjaxError(f"engine.logprobs = {engine_cfg.logprobs} is out of range",
                              field="engine.logprobs",
