@@ -36,6 +36,7 @@ from mtpjax.engine.plan import PipelinePlan, make_hops, pipeline_mesh, plan_pipe
 from mtpjax.engine.sampling import MAX_TOP_LOGPROBS, SamplerParams
 from mtpjax.engine.scheduler import Request, Result, SlotScheduler
 from mtpjax.engine.steps import fresh_forward, fresh_mtp_rows
+from mtpjax.kernels import backend
 from mtpjax.models import quantized, registry
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.interface import StageLayout, previous_hidden
@@ -65,12 +66,14 @@ class Model:
 
   def __init__(self, source, cfg: ModelConfig, *, dtype: str, resolution,
                config=None, mesh=None, checkpoint_dir: pathlib.Path | None = None,
-               weights: str = "quantized", int8_activations: bool = True):
+               weights: str = "quantized", int8_activations: bool = True,
+               kernels: backend.Kernels | None = None):
     self.source = source
     self.config = cfg
     self.dtype = dtype
     self.weight_mode = weights      # "quantized" | "dense" (loading.WEIGHTS)
     self.int8_activations = bool(int8_activations)
+    self.kernels = kernels or backend.default()   # what every forward and step runs on
     self.resolution = resolution
     self._run_config = config
     self.mesh = mesh if mesh is not None else sharding.make_mesh(stages=1, tensor=1)
@@ -155,6 +158,7 @@ class Model:
     else:
       loaded = loading.load_state(self.source, self.config, layout, dtype=self.dtype,
                                   weights=self.weight_mode, sharding_fn=sharding_fn)
+    loaded = quantized.with_kernels(*loaded, self.kernels)
     return quantized.with_int8_activations(*loaded) if self.int8_activations else loaded
 
   def weight_bytes_by_type(self) -> dict[str, tuple[int, int | None]]:
@@ -221,7 +225,7 @@ class Model:
     kernel). Its "auto" KV cache is then llama.cpp's too (`kv_cache_name`)."""
     if not (self.int8_activations and self.weight_mode == "quantized"):
       return False
-    return quantized.multiplies_int8_rows(self._tensor_types.values())
+    return quantized.multiplies_int8_rows(self._tensor_types.values(), self.kernels)
 
   def kv_cache_name(self, kv_cache_dtype: str) -> str:
     """`kv_cache_dtype` with "auto" resolved: float16 under llama.cpp's arithmetic (its
@@ -359,11 +363,12 @@ class PipelinedModel(Model):
   processes own."""
 
   def __init__(self, source, cfg, *, dtype: str, resolution, plan: PipelinePlan, config=None,
-               checkpoint_dir=None, weights: str = "quantized", int8_activations: bool = True):
+               checkpoint_dir=None, weights: str = "quantized", int8_activations: bool = True,
+               kernels: backend.Kernels | None = None):
     self.plan = plan
     super().__init__(source, cfg, dtype=dtype, resolution=resolution, config=config,
                      mesh=plan.meshes[0], checkpoint_dir=checkpoint_dir, weights=weights,
-                     int8_activations=int8_activations)
+                     int8_activations=int8_activations, kernels=kernels)
 
   @functools.cached_property
   def hops(self):
@@ -419,27 +424,40 @@ def _weights_setting(weights: str | None, config) -> str | None:
   return None if weights is None else loading.resolve_weights(weights)
 
 
-def _int8_setting(int8_activations: bool | None, config, weights: str) -> bool:
+def _kernels_setting(kernels: str | None, config) -> tuple[backend.Kernels, str]:
+  """(the kernels, the choice as given): the explicit argument wins over
+  `config.engine.kernels`; "auto" without either. Resolving builds the native CPU kernel now
+  (never inside a trace); a choice that cannot run here is a typed error before any I/O."""
+  field = "kernels"
+  if kernels is None and config is not None:
+    kernels, field = config.engine.get("kernels"), "engine.kernels"
+  choice = kernels or backend.DEFAULT
+  return backend.resolve(choice, field=field), choice
+
+
+def _int8_setting(int8_activations: bool | None, config, weights: str,
+                  kernels: tuple[backend.Kernels, str]) -> bool:
   """The explicit argument wins over `config.model.int8_activations`. On XLA:CPU with quantized
-  weights this builds the native kernel now (never inside a trace) and decides: neither set,
-  int8 rows where the kernel multiplies them (a warning where it cannot); True where it cannot
-  is a typed error, since float32 rows would give other tokens. Elsewhere the setting has no
-  effect (accelerators contract in float32)."""
+  weights it decides: neither set, int8 rows where the `native` kernels multiply them (a
+  warning where they cannot, unless `xla` was chosen); True where they cannot is a typed
+  error, since float32 rows would give other tokens. Elsewhere the setting has no effect
+  (accelerators contract in float32)."""
+  kernels, choice = kernels
   if int8_activations is None and config is not None:
     int8_activations = config.model.get("int8_activations")
-  if jax.default_backend() != "cpu" or weights != "quantized":
+  if kernels.platform != "cpu" or weights != "quantized":
     return True if int8_activations is None else bool(int8_activations)
-  here = quantized.int8_rows_here()
+  here = quantized.int8_rows_here(kernels)
   if int8_activations is None:
-    if not here:
+    if not here and choice != "xla":
       logging.warning("int8 rows cannot run here (%s): quantized weights multiply float32 rows, "
                       "whose tokens can differ from a machine with the kernel's int8 rows",
-                      quantized.int8_rows_missing())
+                      quantized.int8_rows_missing(kernels))
     return here
   if int8_activations and not here:
     raise errors.MtpjaxError(
         f"int8_activations=True needs the native CPU kernel's int8 rows, which cannot run "
-        f"here: {quantized.int8_rows_missing()}", field="model.int8_activations",
+        f"here: {quantized.int8_rows_missing(kernels)}", field="model.int8_activations",
         remedy="install a C++ compiler (g++, or set CXX) on a CPU with AVX2, or set "
                "int8_activations=False (--config.model.int8_activations=false) for float32 rows")
   return bool(int8_activations)
@@ -456,10 +474,12 @@ def _mesh_settings(config, stages: int, splits) -> tuple[int, Sequence[int] | No
 
 
 def load_pipelined(source, *, dtype: str, stages: int, splits=None, config=None,
-                   weights: str | None = None, int8_activations: bool | None = None) -> Model:
+                   weights: str | None = None, int8_activations: bool | None = None,
+                   kernels: str | None = None) -> Model:
   """Check the mesh and the stage plan (typed errors before any weight is read), then load
   only the stages this process owns."""
   weights = _weights_setting(weights, config)
+  kernel_setting = _kernels_setting(kernels, config)
   stages, splits, tensor = _mesh_settings(config, stages, splits)
   if splits is not None and not isinstance(splits, (list, tuple)):
     raise errors.MeshConfigError(f"splits must be a sequence of layer boundaries, got {splits!r}",
@@ -470,7 +490,9 @@ def load_pipelined(source, *, dtype: str, stages: int, splits=None, config=None,
   resolution = speculative.resolve_for_source(config or {}, _model_name(config), src)
   return PipelinedModel(src, cfg, dtype=dtype, resolution=resolution, plan=plan, config=config,
                         checkpoint_dir=checkpoint_dir, weights=weights,
-                        int8_activations=_int8_setting(int8_activations, config, weights))
+                        int8_activations=_int8_setting(int8_activations, config, weights,
+                                                       kernel_setting),
+                        kernels=kernel_setting[0])
 
 
 def _model_name(config) -> str:
@@ -478,7 +500,8 @@ def _model_name(config) -> str:
 
 
 def load(source, *, dtype: str = "float32", weights: str | None = None, stages: int = 1,
-         splits=None, config=None, mesh=None, int8_activations: bool | None = None) -> Model:
+         splits=None, config=None, mesh=None, int8_activations: bool | None = None,
+         kernels: str | None = None) -> Model:
   """Open `source`, resolve the speculative strategy and load the weights.
 
   `dtype` is the activation dtype (and that of dense weights). `weights`: "quantized" (the
@@ -489,7 +512,10 @@ def load(source, *, dtype: str = "float32", weights: str | None = None, stages: 
   quantized weights multiply rows rounded to int8 per block as integers, as llama.cpp does
   (about 2x faster decode there; the weights stay exact, the results move by the rounding of
   the rows, and an "auto" KV cache is llama.cpp's float16: `Model.kv_cache_name`); False keeps
-  float32 rows; True where the kernel cannot run them is a typed error.
+  float32 rows; True where the kernel cannot run them is a typed error. `kernels` (None takes
+  `config.engine.kernels`, else "auto"): "auto" | "xla" | "native" | "pallas", the
+  implementations of the hot operations (`mtpjax/kernels/backend.py`); "auto" is "native" on
+  a CPU where the native kernels build, else "xla".
   """
   loading.resolve_dtype(dtype)
   weights = _weights_setting(weights, config)
@@ -497,11 +523,13 @@ def load(source, *, dtype: str = "float32", weights: str | None = None, stages: 
   if (stages != 1 or splits is not None
       or (mesh_cfg is not None and (mesh_cfg.stages != 1 or mesh_cfg.splits is not None))):
     return load_pipelined(source, dtype=dtype, stages=stages, splits=splits, config=config,
-                          weights=weights, int8_activations=int8_activations)
+                          weights=weights, int8_activations=int8_activations, kernels=kernels)
   if mesh is None and mesh_cfg is not None and mesh_cfg.tensor != 1:
     mesh = sharding.make_mesh(stages=1, tensor=mesh_cfg.tensor)   # fails before any I/O
+  kernel_setting = _kernels_setting(kernels, config)
   src, cfg, checkpoint_dir, weights = _open(source, weights)
   resolution = speculative.resolve_for_source(config or {}, _model_name(config), src)
   return Model(src, cfg, dtype=dtype, resolution=resolution, config=config, mesh=mesh,
                checkpoint_dir=checkpoint_dir, weights=weights,
-               int8_activations=_int8_setting(int8_activations, config, weights))
+               int8_activations=_int8_setting(int8_activations, config, weights, kernel_setting),
+               kernels=kernel_setting[0])

@@ -44,7 +44,7 @@ class OneSetOfDefaultsTest(absltest.TestCase):
   def test_every_engine_setting_of_the_config_is_the_library_default(self):
     config = glm.get_config()
     self.assertEqual(set(config.engine.keys()),
-                     set(EngineConfig.SETTINGS) | {"seed", "adaptive_drafting"})
+                     set(EngineConfig.SETTINGS) | {"seed", "adaptive_drafting", "kernels"})
     self.assertEqual(EngineConfig.from_config(config.engine), EngineConfig())
     self.assertEqual(AdaptiveDrafting.from_mode(config.engine.adaptive_drafting),
                      AdaptiveDrafting())

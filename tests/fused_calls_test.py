@@ -15,7 +15,7 @@ from gguf import quants
 from gguf.constants import GGMLQuantizationType
 
 from mtpjax.gguf import quant_blocks
-from mtpjax.kernels import native
+from mtpjax.kernels import backend, native
 from mtpjax.models import primitives, quantized
 from mtpjax.models.ffn import DenseMLP
 from mtpjax.testing.random_blocks import random_valid_blocks
@@ -28,6 +28,14 @@ def _tensor(type_name, shape, seed, max_scale=0.02):
   tensor = quantized.QuantizedTensor.from_raw(type_name, raw, shape)
   fields = [tensor.fields()[n] for n in quant_blocks.field_specs(type_name, shape)]
   return values.astype(np.float64), (type_name, fields), tensor
+
+
+def _as_a_steps_rows(test, *tensors):
+  """Make `tensors` contract as a decode or verify step's rows do (their kernels `for_steps`)
+  for the rest of `test`."""
+  for tensor in tensors:
+    test.addCleanup(setattr, tensor, "kernels", tensor.kernels)
+    tensor.kernels = tensor.kernels.for_steps()
 
 
 def _silu(v):
@@ -143,9 +151,9 @@ class FusedModulesTest(absltest.TestCase):
 
   def test_q_k_and_v_of_decode_rows_are_one_call_with_their_biases(self):
     x = jnp.asarray(np.random.default_rng(20).standard_normal((1, 3, 256)), jnp.float32)
-    with quantized.decode_rows():
-      text = self._lowered(lambda x: primitives.project(x, *self.linears), 3)
-      got = jax.jit(lambda x: primitives.project(x, *self.linears))(x)
+    _as_a_steps_rows(self, *(linear.weight for linear in self.linears))
+    text = self._lowered(lambda x: primitives.project(x, *self.linears), 3)
+    got = jax.jit(lambda x: primitives.project(x, *self.linears))(x)
     self.assertEqual(text.count("mtpjax_quant_matvec"), 1)
     for linear, y in zip(self.linears, got):
       np.testing.assert_array_equal(y, linear(x))   # 3 rows take the kernel alone too
@@ -161,9 +169,9 @@ class FusedModulesTest(absltest.TestCase):
     mlp.up.weight = _tensor("Q4_K", (96, 256), seed=31)[2]
     mlp.down.weight = _tensor("Q8_0", (256, 96), seed=32)[2]
     x = jnp.asarray(np.random.default_rng(33).standard_normal((1, 2, 256)), jnp.float32)
-    with quantized.decode_rows():
-      text = self._lowered(mlp, 2)
-      got = np.asarray(jax.jit(mlp)(x))
+    _as_a_steps_rows(self, mlp.gate.weight, mlp.up.weight, mlp.down.weight)
+    text = self._lowered(mlp, 2)
+    got = np.asarray(jax.jit(mlp)(x))
     self.assertIn("mtpjax_quant_swiglu", text)
     self.assertNotIn("mtpjax_quant_matvec", text)
     # the separate calls with XLA's silu between them

@@ -25,8 +25,8 @@ LAYERS = (
     ("weights", ("mtpjax.loading", "mtpjax.checkpoint", "mtpjax.sharding", "mtpjax.staging")),
     ("models", ("mtpjax.models",)),
     ("formats", ("mtpjax.gguf", "mtpjax.package", "mtpjax.speculative", "mtpjax.draft_window",
-                 "mtpjax.runtime_options", "mtpjax.telemetry", "mtpjax.errors")),
-    ("kernels", ("mtpjax.kernels",)),
+                 "mtpjax.runtime_options", "mtpjax.telemetry")),
+    ("kernels", ("mtpjax.kernels", "mtpjax.errors")),
 )
 # Modules that reach models only through the registry and the interface.
 ARCHITECTURE_FREE = ("mtpjax.engine", "mtpjax.api", "mtpjax.loading", "mtpjax.checkpoint",

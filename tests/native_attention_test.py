@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from mtpjax.kernels import native
+from mtpjax.kernels import backend, native
 from mtpjax.models import kv_cache, quantized
 
 _POOL_DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
@@ -108,21 +108,17 @@ class NativeAttentionTest(parameterized.TestCase):
     query = jnp.asarray(rng.standard_normal((b, t, hkv * g, hd)).astype(np.float32))
     keys = jnp.asarray(rng.standard_normal((b, t, hkv, hd)).astype(np.float32))
     values = jnp.asarray(rng.standard_normal((b, t, hkv, v_pool.shape[2])).astype(np.float32))
-    meta = kv_cache.AttentionMetadata(jnp.asarray(positions), jnp.asarray(table))
+    kernels = backend.Kernels("native", "cpu")
     pools = (stored(k_pool, dtype), stored(v_pool, dtype))
 
-    def attend(decode: bool):
-      def fn(pools, query, keys, values):
-        if not decode:
-          return kv_cache.attention(pools, query, keys, values, meta)
-        with quantized.decode_rows():
-          self.assertTrue(kv_cache.native_decode_attention())
-          return kv_cache.attention(pools, query, keys, values, meta)
-      return jax.jit(fn)(pools, query, keys, values)
+    def attend(kernels):
+      meta = kv_cache.AttentionMetadata(jnp.asarray(positions), jnp.asarray(table), kernels)
+      fn = lambda pools, query, keys, values: kv_cache.attention(pools, query, keys, values, meta)
+      return jax.jit(fn)(pools, query, keys, values), kv_cache.native_decode_attention(meta)
 
-    blockwise, (k_ref, v_ref) = attend(False)
-    native_out, (k_new, v_new) = attend(True)
-    self.assertFalse(kv_cache.native_decode_attention())       # outside a step's trace
+    (blockwise, (k_ref, v_ref)), prefill_native = attend(kernels)
+    (native_out, (k_new, v_new)), step_native = attend(kernels.for_steps())
+    self.assertEqual((prefill_native, step_native), (False, True))   # a step's rows take it
     np.testing.assert_array_equal(np.asarray(k_new), np.asarray(k_ref))
     np.testing.assert_array_equal(np.asarray(v_new), np.asarray(v_ref))
     np.testing.assert_allclose(np.asarray(native_out), np.asarray(blockwise), rtol=2e-5,

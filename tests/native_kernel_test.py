@@ -23,7 +23,7 @@ from gguf.constants import GGMLQuantizationType
 import mtpjax
 from fixtures import FIXTURES
 from mtpjax.gguf import quant_blocks
-from mtpjax.kernels import native
+from mtpjax.kernels import backend, native
 from mtpjax.models import quantized
 from mtpjax.testing.random_blocks import random_valid_blocks
 
@@ -196,12 +196,11 @@ class NativeKernelTest(parameterized.TestCase):
     # A decode or verify step's rows keep one path past NATIVE_ROWS (MTP on equals off).
     named = _q4k_fields()
     x = jax.ShapeDtypeStruct((quantized.NATIVE_ROWS + 1, 256), jnp.float32)
-    # a fresh function each time: the context is read when the step traces
-    lowered = lambda: jax.jit(lambda x, f: quantized.contract(x, "Q4_K", f, int8)).lower(
-        x, named).as_text()
-    self.assertNotIn("mtpjax_quant_matvec", lowered())
-    with quantized.decode_rows():
-      self.assertIn("mtpjax_quant_matvec", lowered())
+    kernels = backend.Kernels("native", "cpu")
+    lowered = lambda kernels: jax.jit(
+        lambda x, f: quantized.contract(x, "Q4_K", f, int8, kernels)).lower(x, named).as_text()
+    self.assertNotIn("mtpjax_quant_matvec", lowered(kernels))
+    self.assertIn("mtpjax_quant_matvec", lowered(kernels.for_steps()))
 
   @parameterized.parameters(
       # rows per head: up to NATIVE_ROWS float32 rows, any number of int8 rows
@@ -215,11 +214,11 @@ class NativeKernelTest(parameterized.TestCase):
                                                                native_call):
     self.assertTrue(native.integer_rows("Q4_K"))   # this machine's build has AVX2
     shape = (8, 64, 256)
-    fields = quant_blocks.unpack(type_name, random_valid_blocks(
+    weight = quantized.QuantizedTensor.from_raw(type_name, random_valid_blocks(
         np.random.default_rng(10), type_name, shape), shape)
+    weight.int8_activations = int8
     x = jax.ShapeDtypeStruct((rows, 8, 256), jnp.float32)
-    text = jax.jit(quantized.contract_heads, static_argnums=(1, 3)).lower(
-        x, type_name, {k: jnp.asarray(v) for k, v in fields.items()}, int8).as_text()
+    text = jax.jit(quantized.contract_heads).lower(x, weight).as_text()
     self.assertEqual("mtpjax_quant_matvec" in text, native_call)
 
   def test_bad_matrix_ids_are_an_error_not_a_read_out_of_bounds(self):

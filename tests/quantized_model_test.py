@@ -86,7 +86,7 @@ class QuantizedFixtureTest(parameterized.TestCase):
     # 36 slots verifying a draft each: 72 rows a matrix in one step, past NATIVE_ROWS (where
     # a prefill's rows leave the native kernel), against one row a slot with MTP off. With
     # int8 rows a switch of path there changes the arithmetic, not only its rounding: without
-    # `quantized.decode_rows` the tokens differ.
+    # the steps' kernels (`Kernels.for_steps`) the tokens differ.
     slots = quantized.NATIVE_ROWS // 2 + 4
     model = mtpjax.load(FIXTURE / "glm4moe_h64-Q4_K_M.gguf", weights="quantized",
                         int8_activations=True)

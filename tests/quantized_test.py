@@ -85,7 +85,8 @@ class ExactnessTest(parameterized.TestCase):
     if path == "fused":
       got = jax.jit(quantized.fused_contract, static_argnums=1)(eye, type_name, fields)
     else:
-      got = jax.jit(quantized.contract_heads, static_argnums=1)(eye, type_name, fields)
+      weight = quantized.QuantizedTensor.from_raw(type_name, raw, shape)
+      got = jax.jit(quantized.contract_heads)(eye, weight)
     self.assertEqual(got.shape, (shape[-1], 3, 5))
     np.testing.assert_array_equal(np.asarray(got).transpose(1, 2, 0), want)
 

@@ -14,6 +14,7 @@ from ml_collections import config_dict
 from mtpjax.engine.contract import EngineConfig
 from mtpjax.engine.drafting_policy import AdaptiveDrafting
 from mtpjax.engine.sampling import DEFAULT_MAX_NEW_TOKENS, SamplerParams
+from mtpjax.kernels import backend
 from mtpjax.testing import embedded_tiny  # noqa: F401  (registers the `embedded:tiny` source)
 
 # Every variant keys its per-model settings as `models.glm`, so one command line
@@ -100,6 +101,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # Top logprobs per token a step computes while a request asks for logprobs (at most 20,
   # OpenAI's limit); 0: the server refuses logprobs.
   config.engine.logprobs = engine.logprobs
+  # The implementations of the hot operations (mtpjax/kernels/backend.py): auto (native on a
+  # CPU where the C++ kernels build, else xla), xla (XLA's fusions, every platform), native
+  # (XLA:CPU's C++ kernels) or pallas.
+  config.engine.kernels = backend.DEFAULT
 
   config.sampling = ml_collections.ConfigDict()
   config.sampling.temperature = sampler.temperature

@@ -41,6 +41,7 @@ from mtpjax.engine.plan import group_bounds, int_like, selection_like
 from mtpjax.engine.prefill import PrefillSteps
 from mtpjax.engine.prefix_cache import PrefixCache
 from mtpjax.engine.state import EngineState, Group, HeadState, Prefix
+from mtpjax.kernels import backend
 from mtpjax.models import kv_cache, quantized, registry
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.interface import StageLayout, stage_forward
@@ -50,16 +51,6 @@ def _insert_fn(prefix, state, slot):
   """A head state with slot `slot` replaced by the one-slot `prefix` (same tree structure)."""
   put = lambda dst, src: jax.lax.dynamic_update_index_in_dim(dst, src[0], slot, axis=0)
   return jax.tree.map(put, state, prefix)
-
-
-def _decode_rows(fn: Callable) -> Callable:
-  """`fn` traced under `quantized.decode_rows()`: a decode or verify step's rows take one path
-  whatever their count, so MTP on (k + 1 rows a slot) equals MTP off (one)."""
-  @functools.wraps(fn)
-  def traced(*args, **kwargs):
-    with quantized.decode_rows():
-      return fn(*args, **kwargs)
-  return traced
 
 
 class Engine(PrefillSteps):
@@ -86,12 +77,17 @@ class Engine(PrefillSteps):
     # Steps take each stage's parameters as a flat list of arrays: flattening an nnx.State
     # (Python callbacks per Variable) on every call costs a few hundred microseconds a step.
     self._graphdefs = [None if w is None else w[0] for w in stage_weights]
+    # Decode and verify steps trace with their kernels `for_steps`: a row takes one path
+    # whatever the rows' count, so MTP on (k + 1 rows a slot) equals MTP off (one).
+    self._step_graphdefs = [None if w is None else quantized.for_steps(*w)
+                            for w in stage_weights]
     flat = [None if w is None else jax.tree.flatten(w[1]) for w in stage_weights]
     self._leaves = [None if f is None else f[0] for f in flat]
     self._treedefs = [None if f is None else f[1] for f in flat]
     self.trace_counts: dict[str, int] = {}
     jit = lambda name, fn, donate=(): jax.jit(counted(self.trace_counts, name, fn),
-                                              donate_argnames=donate)
+                                              donate_argnames=donate,
+                                              compiler_options=backend.COMPILER_OPTIONS)
     per_stage = lambda name, fn, donate=(): [jit(name, functools.partial(fn, s), donate)
                                              for s in range(len(self.layouts))]
     self._prefill = per_stage("prefill", self._prefill_fn, ("kv", "mtp"))
@@ -99,7 +95,7 @@ class Engine(PrefillSteps):
     # Native MTP's plain step records the MTP inputs; a step over detached slots alone is
     # the step with MTP off.
     kinds = ("plain", "decode") if engine_cfg.native_mtp else ("decode",)
-    step_fn = _decode_rows(self._step_fn)
+    step_fn = self._step_fn
     self._steps = {kind: per_stage(kind, functools.partial(step_fn, kind=kind),
                                    ("kv", "head")) for kind in kinds}
     # A drafting step compiles once per window bucket: it verifies k + 1 rows and, with native
@@ -124,7 +120,7 @@ class Engine(PrefillSteps):
       logging.info("engine.decode_steps %d: this engine (%s) runs one step a dispatch",
                    engine_cfg.decode_steps, "host drafting" if engine_cfg.host_drafts else
                    "timing" if engine_cfg.timing else "a pipeline")
-    burst_fn = _decode_rows(self._burst_fn)
+    burst_fn = self._burst_fn
     self._bursts = {}       # by (the kind of step a burst repeats, its window bucket)
     if self.decode_burst > 1:
       shapes = [(kind, 0) for kind in kinds] + [
@@ -133,8 +129,11 @@ class Engine(PrefillSteps):
           burst_fn, kind=kind, depth=k, count=self.decode_burst), ("kv", "head"))
           for kind, k in shapes}
 
-  def _model(self, s: int, leaves):
-    return nnx.merge(self._graphdefs[s], jax.tree.unflatten(self._treedefs[s], leaves))
+  def _model(self, s: int, leaves, *, steps: bool = False):
+    """Stage `s`'s model over its weights `leaves`, as a decode or verify step traces it
+    (`steps`) or as a prefill does."""
+    graphdef = (self._step_graphdefs if steps else self._graphdefs)[s]
+    return nnx.merge(graphdef, jax.tree.unflatten(self._treedefs[s], leaves))
 
   def _width(self, batch: int, tokens: int) -> tuple:
     """Shapes of one hop: the activation [B, T, D] and its positions [B, T]."""
@@ -280,7 +279,7 @@ class Engine(PrefillSteps):
     [k, max_pages]). Returns (kv, the stage's output): jit aliases donated inputs to outputs
     of the same shape in order, and the NextN pools in `head` have the trunk pools' shapes.
     """
-    model = self._model(s, leaves)
+    model = self._model(s, leaves, steps=True)
     layout = self.layouts[s]
     k = active.shape[0]
     drafts = drafts if depth else None      # a step that verifies nothing keeps its chain
@@ -324,7 +323,7 @@ class Engine(PrefillSteps):
     program (`steps.burst`) over the first active.shape[0] slots of the single stage: the
     arguments and outputs of `_step_fn`, the steps' ResultTokens one after another."""
     del inp, drafts     # a single stage reads its inputs (and drafts) from the head state
-    model = self._model(0, leaves)
+    model = self._model(0, leaves, steps=True)
 
     def one_step(kv, part):
       s = part.slots

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtpjax.kernels import backend
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.interface import StageLayout
 from mtpjax.models.kv_cache import AttentionMetadata
@@ -49,6 +50,8 @@ class GlmModel(nnx.Module):
     self.output_norm = RMSNorm(d, cfg.eps) if layout.output else None
     self.head = Linear(d, v, dtype) if layout.output and not cfg.tied_head else None
     self.mtp = MtpHead(cfg, dtype) if layout.mtp else None
+    # Which kernels attend (its quantized tensors carry their own): `quantized.with_kernels`.
+    self.kernels = backend.default()
 
   @staticmethod
   def cache_shapes(cfg: ModelConfig, n_layers: int, batch: int, length: int) -> list:
@@ -72,7 +75,7 @@ class GlmModel(nnx.Module):
     so the next stage can take it, and the pipelined model equals the single-stage one.
     """
     new_kv = []
-    meta = AttentionMetadata(positions, page_table)
+    meta = AttentionMetadata(positions, page_table, self.kernels)
     for layer, cache in zip(self.layers, kv):
       x, cache, selection = layer(x, meta, cache, selection)
       new_kv.append(cache)
@@ -103,7 +106,7 @@ class GlmModel(nnx.Module):
     table = mtp.embed if mtp.embed is not None else self.embed
     e = quantized.rows(table, tokens).astype(self.dtype)
     u = jnp.concatenate([mtp.enorm(e), mtp.hnorm(prev_hidden.astype(self.dtype))], axis=-1)
-    meta = AttentionMetadata(positions, page_table)
+    meta = AttentionMetadata(positions, page_table, self.kernels)
     y, mtp_kv, _ = mtp.block(mtp.eh_proj(u), meta, mtp_kv)
     norm = mtp.head_norm if mtp.head_norm is not None else self.output_norm
     return norm(y), y, mtp_kv

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from mtpjax.models import quantized
 
 # Rows at or below this take the per-pair path (decode steps of up to 8 slots with a 2-row
-# verify); on XLA:CPU, any number of int8 rows do (the native kernel's grouped pairs).
+# verify); so do a decode or verify step's rows at any count, and on XLA:CPU any number of
+# int8 rows (the native kernel's grouped pairs).
 PAIR_ROWS = 16
 
 
@@ -43,10 +44,11 @@ def _unsort(sorted_out: jax.Array, order: jax.Array, n: int, k: int) -> jax.Arra
 
 
 def _one_pair(x_row, weight, e):
-  """One row against expert `e`'s `[out, in]` matrix, read from the store by id: [out]."""
+  """One row against expert `e`'s `[out, in]` matrix, read from the store by id: [out]. Each
+  pair is one row through one program (the loop's), so its value is that row's alone."""
   type_name, fields = quantized.gather(weight, e)
   if type_name is not None:
-    return quantized.contract(x_row, type_name, fields)
+    return quantized.fused_contract(x_row, type_name, fields)
   return fields["w"].astype(x_row.dtype) @ x_row
 
 
@@ -61,8 +63,15 @@ def _native_pairs(x, expert_ids, gate, up, down):
 
 def _takes_native(expert_ids, *weights) -> bool:
   return all(isinstance(w, quantized.QuantizedTensor)
-             and quantized.takes_native(w.type_name, expert_ids.size, w.int8_activations)
+             and quantized.takes_native(w.type_name, expert_ids.size, w.int8_activations,
+                                        w.kernels)
              for w in weights)
+
+
+def _steps_rows(weight) -> bool:
+  """Whether a decode or verify step's rows are traced (quantized experts say so): they keep
+  the pairwise path at any count, one row's arithmetic whatever rows share the step."""
+  return isinstance(weight, quantized.QuantizedTensor) and weight.kernels.steps
 
 
 def pairwise(x, expert_ids, gate, up, down):
@@ -133,7 +142,8 @@ def grouped(x, expert_ids, gate, up, down, tile: int | None = None):
 
 def routed(x, expert_ids, gate, up, down):
   """Rows x [N, D] through their selected experts [N, K]: outputs [N, K, D]."""
-  if x.shape[0] <= PAIR_ROWS or _takes_native(expert_ids, gate, up, down):
+  if (x.shape[0] <= PAIR_ROWS or _steps_rows(gate)
+      or _takes_native(expert_ids, gate, up, down)):
     return pairwise(x, expert_ids, gate, up, down)
   return grouped(x, expert_ids, gate, up, down)
 

@@ -32,22 +32,24 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from mtpjax.kernels import native
-from mtpjax.models import blockwise, quantized
+from mtpjax.kernels import backend, native
+from mtpjax.models import blockwise
 
 
 class AttentionMetadata(NamedTuple):
   """What every attention call of a step reads besides its cache: the rows' absolute
-  positions [b, T], and the slots' page tables [b, max_pages] (None: per-slot caches)."""
+  positions [b, T], the slots' page tables [b, max_pages] (None: per-slot caches), and the
+  model's kernels (None: this platform's default), `steps` set in a decode or verify step."""
   positions: jax.Array
   page_table: jax.Array | None = None
+  kernels: backend.Kernels | None = None
 
 
 def storage_dtype(dtype) -> jnp.dtype:
   """The dtype a cache of `dtype` values is stored in: uint16 bits for bfloat16 on XLA:CPU
   (which writes float16 rows in place, but converts a whole bfloat16 pool per write)."""
   dtype = jnp.dtype(dtype)
-  if dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+  if dtype == jnp.bfloat16 and backend.stores_bfloat16_as_bits():
     return jnp.dtype(jnp.uint16)
   return dtype
 
@@ -205,12 +207,12 @@ def _causal(first, n: int, positions: jax.Array) -> jax.Array:
   return (first + jnp.arange(n))[None, None, None, None, :] <= positions[:, None, None, :, None]
 
 
-def native_decode_attention() -> bool:
+def native_decode_attention(meta: AttentionMetadata) -> bool:
   """Whether paged GQA attention takes the native kernel: the rows of a decode or verify step
-  (`quantized.decode_rows`, so a row attends alike in both) on XLA:CPU where it built. Prefill
-  chunks keep the blockwise einsums, whose GEMMs suit many rows."""
-  return (quantized.tracing_decode_rows() and jax.default_backend() == "cpu"
-          and native.available())
+  (`Kernels.steps`, so a row attends alike in both) with `native` kernels. Prefill chunks keep
+  the blockwise einsums, whose GEMMs suit many rows."""
+  kernels = meta.kernels or backend.default()
+  return kernels.native and kernels.steps
 
 
 def _paged_attention(cache, q, k, v, meta: AttentionMetadata):
@@ -224,7 +226,7 @@ def _paged_attention(cache, q, k, v, meta: AttentionMetadata):
   b, t, h, hd = q.shape
   hkv, vd, dtype = k_pool.shape[1], v_pool.shape[2], q.dtype
   q = q.reshape(b, t, hkv, h // hkv, hd).astype(jnp.float32) / jnp.sqrt(jnp.float32(hd))
-  if native_decode_attention():
+  if native_decode_attention(meta):
     out = native.paged_attention(q, k_pool, v_pool, table, positions)
     return out.reshape(b, t, h, vd).astype(dtype), (k_pool, v_pool)
   gather = lambda pool, first, n: _gather_pages(pool, table, first, n, page_rows).astype(

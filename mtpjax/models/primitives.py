@@ -89,8 +89,7 @@ class HeadProjection(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     if isinstance(self.weight, quantized.QuantizedTensor):
-      return quantized.contract_heads(x, self.weight.type_name, self.weight.fields(),
-                                      self.weight.int8_activations)
+      return quantized.contract_heads(x, self.weight)
     return jnp.einsum("...hi,hoi->...ho", x.astype(jnp.float32),
                       self.weight[...].astype(jnp.float32))
 

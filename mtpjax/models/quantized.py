@@ -12,11 +12,14 @@ What each backend stores: every field as its GGUF bytes (f16 scales, int8 / uint
 4-bit values packed per byte, unpacked by shifts on the fly). That is portable (CPU, GPU, TPU)
 and costs 1.00x-1.04x the file's bytes; no backend gets a wider copy.
 
-Contraction (`matmul`, `contract`), by backend:
-- accelerators: up to FUSED_ROWS rows (decode, verify) multiply and reduce against the values
-  computed from the integers inside one XLA loop, so no dense weight is materialized; more rows
-  (prefill) dequantize the matrix once and use the backend's GEMM;
-- XLA:CPU: up to NATIVE_ROWS rows a matrix go to the native kernel
+Contraction (`matmul`, `contract`), by the tensor's kernels (`kernels/backend.py`, a static
+attribute each tensor carries, so a trace reads it from the graph definition):
+- a decode or verify step's rows (`Kernels.steps`) on `xla`: multiply and reduce against the
+  values computed from the integers inside one XLA loop at any row count, so no dense weight is
+  materialized and a row's value does not depend on how many rows share the step (MTP on equals
+  MTP off); a prefill's rows on accelerators do so up to FUSED_ROWS, and more dequantize the
+  matrix once and use the backend's GEMM;
+- `native` (XLA:CPU): up to NATIVE_ROWS rows a matrix go to the native kernel
   (`kernels/quant_matvec.cc`), which unpacks each block's integers once and multiplies them
   into every row (`native_contract`), and so do a prefill's int8 rows (`int8_activations`)
   against per-head matrices and routed experts; more rows, or where the kernel cannot be
@@ -31,8 +34,6 @@ Contraction (`matmul`, `contract`), by backend:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 from typing import Iterable
 
@@ -41,7 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtpjax.gguf import quant_blocks
-from mtpjax.kernels import native
+from mtpjax.kernels import backend, native
 
 F32 = jnp.float32
 # On accelerators, row counts up to this contract in a fused loop against the integers (it
@@ -51,6 +52,11 @@ FUSED_ROWS = 16
 # head for per-head projections) contract in the native kernel, which unpacks each block once
 # for all of them; prefill-sized counts dequantize tiles for a GEMM.
 NATIVE_ROWS = 64
+# A decode or verify step's rows contract this many at a time through one program
+# (`_in_row_tiles`) on `xla`: XLA:CPU vectorizes a reduction by its shape, so rows computed
+# four at a time round otherwise than one alone (Q5_0 measured); one tile shape gives every
+# row the same code, wherever it sits in whatever step.
+ROW_TILE = 8
 # Float32 values per tile of `tiled_contract` (at most): 2 MB, about a core's L2. A matrix
 # that small is one tile: a loop over tiles of a few hundred rows costs more than it saves.
 TILE_ELEMENTS = 1 << 19
@@ -61,12 +67,15 @@ class QuantizedTensor(nnx.Module):
 
   `int8_activations`: where the native kernel contracts it (XLA:CPU), rows are rounded to int8
   per block and multiplied as integers, as llama.cpp does (see `native.quant_matvec`); the
-  stored values stay exact either way."""
+  stored values stay exact either way. `kernels`: the implementations its contractions use
+  (default: this platform's `auto`)."""
 
-  def __init__(self, type_name: str, shape: tuple[int, ...], int8_activations: bool = False):
+  def __init__(self, type_name: str, shape: tuple[int, ...], int8_activations: bool = False,
+               kernels: backend.Kernels | None = None):
     self.type_name = type_name
     self.shape = tuple(int(d) for d in shape)
     self.int8_activations = bool(int8_activations)
+    self.kernels = kernels or backend.default()
     for name, (field_shape, dtype) in quant_blocks.field_specs(type_name, shape).items():
       setattr(self, name, nnx.Param(jnp.zeros(field_shape, dtype)))
 
@@ -96,15 +105,33 @@ class QuantizedTensor(nnx.Module):
     return quant_blocks.gguf_nbytes(self.type_name, self.shape)
 
 
-def with_int8_activations(graphdef: nnx.GraphDef, state: nnx.State
-                          ) -> tuple[nnx.GraphDef, nnx.State]:
-  """The same weights with every `QuantizedTensor` contracting int8 rows (a static setting, so
-  the graphdef changes and the arrays are shared)."""
+def _with_static(graphdef: nnx.GraphDef, state: nnx.State, attribute: str, value
+                 ) -> tuple[nnx.GraphDef, nnx.State]:
+  """The same weights with `attribute` set on every module that has it (a static setting, so
+  the graphdef changes and the arrays are shared); `value(old)` gives the new setting."""
   model = nnx.merge(graphdef, state)
   for _, node in nnx.iter_graph(model):
-    if isinstance(node, QuantizedTensor):
-      node.int8_activations = True
+    if isinstance(node, nnx.Module) and hasattr(node, attribute):
+      setattr(node, attribute, value(getattr(node, attribute)))
   return nnx.split(model)
+
+
+def with_int8_activations(graphdef: nnx.GraphDef, state: nnx.State
+                          ) -> tuple[nnx.GraphDef, nnx.State]:
+  """The same weights with every `QuantizedTensor` contracting int8 rows."""
+  return _with_static(graphdef, state, "int8_activations", lambda _: True)
+
+
+def with_kernels(graphdef: nnx.GraphDef, state: nnx.State, kernels: backend.Kernels
+                 ) -> tuple[nnx.GraphDef, nnx.State]:
+  """The same weights contracting (and, the model, attending) with `kernels`: every module with
+  a `kernels` attribute (each `QuantizedTensor`, the model) takes it."""
+  return _with_static(graphdef, state, "kernels", lambda _: kernels)
+
+
+def for_steps(graphdef: nnx.GraphDef, state: nnx.State) -> nnx.GraphDef:
+  """The graphdef a decode or verify step traces: each module's kernels `for_steps()`."""
+  return _with_static(graphdef, state, "kernels", lambda old: old.for_steps())[0]
 
 
 def _f32(a):
@@ -212,98 +239,113 @@ def rows(weight, ids: jax.Array) -> jax.Array:
 
 def matmul(x: jax.Array, weight: QuantizedTensor) -> jax.Array:
   """`x [..., in]` times a quantized `[out, in]` weight, transposed: `[..., out]` in x's dtype."""
-  return contract(x, weight.type_name, weight.fields(), weight.int8_activations)
+  return contract(x, weight.type_name, weight.fields(), weight.int8_activations, weight.kernels)
+
+
+def _fused(kernels: backend.Kernels, rows: int) -> bool:
+  """Whether a prefill's `rows` rows contract in the fused loop against the integers
+  (`fused_contract`): a few, off XLA:CPU."""
+  return not kernels.on_cpu and rows <= FUSED_ROWS
 
 
 def contract(x: jax.Array, type_name: str, fields: dict[str, jax.Array],
-             int8_activations: bool = False) -> jax.Array:
+             int8_activations: bool = False, kernels: backend.Kernels | None = None
+             ) -> jax.Array:
   """`x [..., in]` against one quantized `[out, in]` matrix's fields: `[..., out]` in x's dtype,
-  read the way this backend reads the integers fastest (see the module docstring)."""
-  if takes_native(type_name, math.prod(x.shape[:-1])):
+  read the way `kernels` (default: this platform's) read the integers fastest (see the module
+  docstring)."""
+  kernels = kernels or backend.default()
+  rows = math.prod(x.shape[:-1])
+  if takes_native(type_name, rows, kernels=kernels):   # a prefill's rows: as float32 ones
     y = native_contract(x.reshape(-1, x.shape[-1]), None, type_name, fields, int8_activations)
     return y.reshape(x.shape[:-1] + (-1,)).astype(x.dtype)
-  if jax.default_backend() == "cpu":
+  if kernels.steps:
+    return _in_row_tiles(lambda tile: fused_contract(tile, type_name, fields), x, x.ndim - 1)
+  if _fused(kernels, rows):
+    return fused_contract(x, type_name, fields)
+  if kernels.on_cpu:
     tile = _tile_rows(fields["d"].shape[0], x.shape[-1])
     if tile:
       return tiled_contract(x, type_name, fields, tile)
-  elif math.prod(x.shape[:-1]) <= FUSED_ROWS:
-    return fused_contract(x, type_name, fields)
   return jnp.einsum("...i,oi->...o", x, dequantize_fields(type_name, fields).astype(x.dtype))
 
 
-def contract_heads(x: jax.Array, type_name: str, fields: dict[str, jax.Array],
-                   int8_activations: bool = False) -> jax.Array:
-  """`x [..., H, in]` against quantized per-head `[H, out, in]` fields: `[..., H, out]` float32.
-  Accelerators read few rows in the fused loop (the heads broadcast like gathered experts);
-  XLA:CPU's decode rows and a prefill's int8 rows go to the native kernel, a matrix per head
-  (`takes_native`); other rows contract the exact float32 values of all heads at once."""
+def contract_heads(x: jax.Array, weight: QuantizedTensor) -> jax.Array:
+  """`x [..., H, in]` against a quantized per-head `[H, out, in]` weight: `[..., H, out]`
+  float32. A step's rows, and a prefill's few rows on accelerators, take the fused loop (the
+  heads broadcast like gathered experts); `native` takes a step's rows and a prefill's int8
+  rows, a matrix per head (`takes_native`); other rows contract the exact float32 values of
+  all heads at once."""
+  type_name, fields, kernels = weight.type_name, weight.fields(), weight.kernels
   x = x.astype(F32)
-  if jax.default_backend() != "cpu" and math.prod(x.shape[:-2]) <= FUSED_ROWS:
+  rows = math.prod(x.shape[:-2])
+  if takes_native(type_name, rows, weight.int8_activations, kernels):
+    flat = x.reshape(-1, x.shape[-1])
+    ids = jnp.tile(jnp.arange(x.shape[-2], dtype=jnp.int32), flat.shape[0] // x.shape[-2])
+    return native_contract(flat, ids, type_name, fields,
+                           weight.int8_activations).reshape(x.shape[:-1] + (-1,))
+  if kernels.steps:
+    return _in_row_tiles(lambda tile: fused_contract(tile, type_name, fields), x, x.ndim - 2)
+  if _fused(kernels, rows):
     return fused_contract(x, type_name, fields)
-  if takes_native(type_name, math.prod(x.shape[:-2]), int8_activations):
-    rows = x.reshape(-1, x.shape[-1])
-    ids = jnp.tile(jnp.arange(x.shape[-2], dtype=jnp.int32), rows.shape[0] // x.shape[-2])
-    return native_contract(rows, ids, type_name, fields,
-                           int8_activations).reshape(x.shape[:-1] + (-1,))
   return jnp.einsum("...hi,hoi->...ho", x, dequantize_fields(type_name, fields))
 
 
-# Set while a decode or verify step traces (`decode_rows`).
-_DECODE_ROWS = contextvars.ContextVar("mtpjax_decode_rows", default=False)
+def _in_row_tiles(fn, x: jax.Array, row_dims: int) -> jax.Array:
+  """`fn` over the rows of x (its first `row_dims` axes, flattened) ROW_TILE at a time, the
+  last tile padded: one compiled program for every tile, fenced so nothing around it fuses in,
+  so a row's value depends on that row alone."""
+  lead = x.shape[:row_dims]
+  flat = x.reshape((-1,) + x.shape[row_dims:])
+  n = flat.shape[0]
+  tiles = jnp.pad(flat, ((0, -n % ROW_TILE),) + ((0, 0),) * (flat.ndim - 1))
+  tiles = tiles.reshape((-1, ROW_TILE) + flat.shape[1:])
+  fenced = lambda tile: jax.lax.optimization_barrier(fn(jax.lax.optimization_barrier(tile)))
+  out = jax.lax.map(fenced, tiles)
+  out = out.reshape((-1,) + out.shape[2:])[:n]
+  return out.reshape(lead + out.shape[1:])
 
 
-@contextlib.contextmanager
-def decode_rows():
-  """Traces a decode or verify step: on XLA:CPU its rows take the native kernel at any count,
-  so a row gets the same arithmetic however many slots and drafts share the step (MTP on's
-  k + 1 rows a slot equal MTP off's one past NATIVE_ROWS too; XLA's tiled GEMM would round
-  otherwise, and not at all as int8 rows do)."""
-  token = _DECODE_ROWS.set(True)
-  try:
-    yield
-  finally:
-    _DECODE_ROWS.reset(token)
-
-
-def tracing_decode_rows() -> bool:
-  """Whether a decode or verify step is being traced (`decode_rows`)."""
-  return _DECODE_ROWS.get()
-
-
-def takes_native(type_name: str, rows: int, int8_activations: bool = False) -> bool:
-  """Whether `rows` rows a matrix of `type_name` take the native kernel: on XLA:CPU where the
-  kernel built (decided at trace time), up to NATIVE_ROWS rows; any number in a decode or
-  verify step (`decode_rows`); and any number of int8 rows that multiply as integers where a
-  caller passes `int8_activations`: the per-head matrices and routed experts, whose XLA paths
-  dequantize every head or loop over experts (a Flash-shaped prefill 1.7x faster). A plain
-  projection's prefill keeps XLA's GEMM: even with the kernel on K-quants, 2-4x faster on
-  32-value blocks and small matrices."""
-  if jax.default_backend() != "cpu" or rows <= 0 or type_name not in native.TYPE_NAMES:
+def takes_native(type_name: str, rows: int, int8_activations: bool = False,
+                 kernels: backend.Kernels | None = None) -> bool:
+  """Whether `rows` rows a matrix of `type_name` take the native kernel (`native` kernels;
+  default: this platform's): up to NATIVE_ROWS rows; any number in a decode or verify step
+  (`Kernels.steps`: one arithmetic whatever the count, so MTP on's k + 1 rows a slot equal
+  MTP off's one); and any number of int8 rows that multiply as integers where a caller passes
+  `int8_activations`: the per-head matrices and routed experts, whose XLA paths dequantize
+  every head or loop over experts (a Flash-shaped prefill 1.7x faster). A plain projection's
+  prefill keeps XLA's GEMM: even with the kernel on K-quants, 2-4x faster on 32-value blocks
+  and small matrices."""
+  kernels = kernels or backend.default()
+  if not kernels.native or rows <= 0 or type_name not in native.TYPE_NAMES:
     return False
-  if tracing_decode_rows() or (int8_activations and native.integer_rows(type_name)):
-    return native.available()
-  return rows <= NATIVE_ROWS and native.available()
+  if kernels.steps or (int8_activations and native.integer_rows(type_name)):
+    return True
+  return rows <= NATIVE_ROWS
 
 
-def int8_rows_here() -> bool:
-  """Whether this process can multiply int8 rows as integers (XLA:CPU, the native kernel
-  built with its AVX2 paths); builds the kernel if it is not yet."""
-  return jax.default_backend() == "cpu" and native.integer_rows("Q8_0")
+def int8_rows_here(kernels: backend.Kernels | None = None) -> bool:
+  """Whether `kernels` (default: this platform's) multiply int8 rows as integers: `native`,
+  built with its AVX2 paths."""
+  return (kernels or backend.default()).native and native.integer_rows("Q8_0")
 
 
-def int8_rows_missing() -> str:
+def int8_rows_missing(kernels: backend.Kernels | None = None) -> str:
   """Why `int8_rows_here` is False, for errors and logs."""
-  if jax.default_backend() != "cpu":
-    return f"the {jax.default_backend()} backend contracts in float32"
-  if not native.available():
-    return "the native CPU kernel did not build (MTPJAX_NATIVE=0, or no working C++ compiler)"
+  kernels = kernels or backend.default()
+  if kernels.platform != "cpu":
+    return f"the {kernels.platform} backend contracts in float32"
+  if not kernels.native:
+    return ("the native CPU kernel is not in use (kernels 'xla', MTPJAX_NATIVE=0, or no "
+            "working C++ compiler)")
   return "the native CPU kernel's build has no AVX2 integer paths (the portable build)"
 
 
-def multiplies_int8_rows(type_names: Iterable[str]) -> bool:
-  """Whether int8 rows multiply as integers against any of these weight types here (XLA:CPU
-  with the native kernel built): llama.cpp's CPU arithmetic."""
-  return (jax.default_backend() == "cpu"
+def multiplies_int8_rows(type_names: Iterable[str],
+                         kernels: backend.Kernels | None = None) -> bool:
+  """Whether int8 rows multiply as integers against any of these weight types with `kernels`
+  (`native` on XLA:CPU): llama.cpp's CPU arithmetic."""
+  return ((kernels or backend.default()).native
           and any(native.integer_rows(name) for name in set(type_names)))
 
 
@@ -331,7 +373,8 @@ def _one_call(x: jax.Array, weights) -> bool:
   """Whether one native call can contract x's rows with every weight: each is quantized and
   takes the kernel at this row count, as it would in a call of its own (`takes_native`)."""
   rows = math.prod(x.shape[:-1])
-  return all(isinstance(w, QuantizedTensor) and takes_native(w.type_name, rows) for w in weights)
+  return all(isinstance(w, QuantizedTensor)
+             and takes_native(w.type_name, rows, kernels=w.kernels) for w in weights)
 
 
 def matmuls(x: jax.Array, weights) -> list[jax.Array] | None:
