@@ -95,18 +95,17 @@ class Engine(PrefillSteps):
     # Native MTP's plain step records the MTP inputs; a step over detached slots alone is
     # the step with MTP off.
     kinds = ("plain", "decode") if engine_cfg.native_mtp else ("decode",)
-    step_fn = self._step_fn
-    self._steps = {kind: per_stage(kind, functools.partial(step_fn, kind=kind),
+    self._steps = {kind: per_stage(kind, functools.partial(self._step_fn, kind=kind),
                                    ("kv", "head")) for kind in kinds}
     # A drafting step compiles once per window bucket: it verifies k + 1 rows and, with native
     # MTP, drafts k; without, it commits the host's accepted drafts.
     self._verify_kind = "verify_draft" if engine_cfg.native_mtp else "verify_host"
     self._draft_steps = {
-        k: per_stage(self._verify_kind, functools.partial(step_fn, kind=self._verify_kind,
+        k: per_stage(self._verify_kind, functools.partial(self._step_fn, kind=self._verify_kind,
                                                           depth=k), ("kv", "head"))
         for k in engine_cfg.window_buckets}
     # Timing splits a drafting step's last stage in two jits, synced after each.
-    self._verify = {k: jit("verify", functools.partial(step_fn, self.last, kind="verify",
+    self._verify = {k: jit("verify", functools.partial(self._step_fn, self.last, kind="verify",
                                                        depth=k), ("kv",))
                     for k in engine_cfg.window_buckets}
     self._draft = jit("draft", self._draft_fn, ("head",))
@@ -120,13 +119,12 @@ class Engine(PrefillSteps):
       logging.info("engine.decode_steps %d: this engine (%s) runs one step a dispatch",
                    engine_cfg.decode_steps, "host drafting" if engine_cfg.host_drafts else
                    "timing" if engine_cfg.timing else "a pipeline")
-    burst_fn = self._burst_fn
     self._bursts = {}       # by (the kind of step a burst repeats, its window bucket)
     if self.decode_burst > 1:
       shapes = [(kind, 0) for kind in kinds] + [
           ("verify_draft", k) for k in self._draft_steps if engine_cfg.native_mtp]
       self._bursts = {(kind, k): jit(f"{kind}_burst", functools.partial(
-          burst_fn, kind=kind, depth=k, count=self.decode_burst), ("kv", "head"))
+          self._burst_fn, kind=kind, depth=k, count=self.decode_burst), ("kv", "head"))
           for kind, k in shapes}
 
   def _model(self, s: int, leaves, *, steps: bool = False):
