@@ -13,9 +13,11 @@ import pathlib
 import jax
 import numpy as np
 from absl.testing import absltest, parameterized
+from flax import nnx
 
 import mtpjax
 from mtpjax import errors
+from mtpjax.configs import glm
 from mtpjax.draft_window import DraftWindow
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.engine.scheduler import Request, SlotScheduler
@@ -60,7 +62,6 @@ class ResolveTest(absltest.TestCase):
       self.assertIn("auto", caught.exception.remedy)
 
   def test_load_takes_the_argument_over_the_config(self):
-    from mtpjax.configs import glm
     config = glm.get_config()
     config.engine.kernels = "xla"
     model = mtpjax.load(MODELS["glm4moe"], config=config)
@@ -84,7 +85,6 @@ class ResolveTest(absltest.TestCase):
 
 def nnx_nodes(graphdef, state) -> list:
   """The modules of a model that carry kernels."""
-  from flax import nnx
   model = nnx.merge(graphdef, state)
   return [node for _, node in nnx.iter_graph(model)
           if isinstance(node, nnx.Module) and hasattr(node, "kernels")]
