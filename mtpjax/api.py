@@ -439,7 +439,7 @@ def _int8_setting(int8_activations: bool | None, config, weights: str,
                   kernels: tuple[backend.Kernels, str]) -> bool:
   """The explicit argument wins over `config.model.int8_activations`. On XLA:CPU with quantized
   weights it decides: neither set, int8 rows where the `native` kernels multiply them (a
-  warning where they cannot, unless `xla` was chosen); True where they cannot is a typed
+  warning where they cannot, unless `xla` or `pallas` was chosen); True where they cannot is a typed
   error, since float32 rows would give other tokens. Elsewhere the setting has no effect
   (accelerators contract in float32)."""
   kernels, choice = kernels
@@ -449,7 +449,7 @@ def _int8_setting(int8_activations: bool | None, config, weights: str,
     return True if int8_activations is None else bool(int8_activations)
   here = quantized.int8_rows_here(kernels)
   if int8_activations is None:
-    if not here and choice != "xla":
+    if not here and choice in (backend.DEFAULT, "native"):   # not a choice of float32 rows
       logging.warning("int8 rows cannot run here (%s): quantized weights multiply float32 rows, "
                       "whose tokens can differ from a machine with the kernel's int8 rows",
                       quantized.int8_rows_missing(kernels))

@@ -53,9 +53,12 @@ class ResolveTest(absltest.TestCase):
     self.assertEqual(backend.resolve("auto"), backend.Kernels(want, "cpu"))
     self.assertEqual(backend.resolve(None).name, want)
     self.assertEqual(backend.resolve("xla"), backend.Kernels("xla", "cpu"))
+    pallas = backend.resolve("pallas")
+    self.assertEqual(pallas, backend.Kernels("pallas", "cpu"))
+    self.assertTrue(pallas.interpret)            # no accelerator here: Pallas' interpreter
 
   def test_a_choice_that_cannot_run_is_a_typed_error_naming_the_field(self):
-    for choice, words in (("cuda", "unknown kernels"), ("pallas", "no implementation yet")):
+    for choice, words in (("cuda", "unknown kernels"), ("NATIVE", "unknown kernels")):
       with self.assertRaisesRegex(errors.MtpjaxError, words) as caught:
         backend.resolve(choice, field="engine.kernels")
       self.assertEqual(caught.exception.field, "engine.kernels")
@@ -110,11 +113,12 @@ class NoOtherModuleAsksThePlatformTest(absltest.TestCase):
 
 
 class MtpOnEqualsOffOnEveryBackendTest(parameterized.TestCase):
-  """Token for token and logprob for logprob, greedy and sampled requests sharing a batch, at
-  slots 1 and 8 and draft windows 1 and 3, with each backend's dispatch (the accelerators'
-  `xla` forced on CPU)."""
+  """Token for token, greedy and sampled requests sharing a batch, at slots 1 and 8 and draft
+  windows 1 and 3, with each backend's dispatch forced on CPU (the accelerators' `xla`, and
+  `pallas` in Pallas' interpreter), in bfloat16: the old dispatch (a fused loop up to 16 rows,
+  a GEMM over bfloat16 weights past it) fails at 8 slots and window 3."""
 
-  @parameterized.product(arch=tuple(MODELS), kernels=("xla",))
+  @parameterized.product(arch=tuple(MODELS), kernels=("xla", "pallas"))
   def test_mtp_on_equals_off(self, arch, kernels):
     # `native` is checked by quantized_model_test and the engine suites (its default here).
     model = mtpjax.load(MODELS[arch], kernels=kernels, dtype="bfloat16")

@@ -5,8 +5,9 @@
   count, so a row's value never depends on how many rows share a step.
 - `native`: XLA:CPU with the C++ kernels of `native.py` (quantized rows, a SwiGLU, paged GQA
   attention), llama.cpp's arithmetic when rows are int8.
-- `pallas`: Pallas kernels (on CPU run by Pallas' interpreter, for checking only); the name is
-  reserved, and choosing it is a typed error until its kernels land.
+- `pallas`: Pallas kernels where one is written (a step's rows against quantized matrices,
+  `pallas_quant.py`), `xla`'s paths elsewhere; on CPU run by Pallas' interpreter, for checking
+  only.
 
 `auto` is `native` on CPU where the kernels build, else `xla`. A model's choice is a static
 attribute of its quantized tensors and of the model (`quantized.with_kernels`), and a step's
@@ -58,6 +59,11 @@ class Kernels:
     return self.name == "native"
 
   @property
+  def interpret(self) -> bool:
+    """Whether Pallas kernels run in Pallas' interpreter (no accelerator to compile for)."""
+    return self.name == "pallas" and self.platform == "cpu"
+
+  @property
   def on_cpu(self) -> bool:
     """XLA:CPU: prefill rows contract in tiles that stay in cache (`quantized.tiled_contract`)
     instead of a whole dequantized matrix."""
@@ -85,10 +91,6 @@ def resolve(choice: str | None = DEFAULT, *, field: str = "engine.kernels") -> K
            "the native CPU kernel did not build (MTPJAX_NATIVE=0, or no working C++ compiler)")
     raise errors.MtpjaxError(f"kernels 'native' cannot run here: {why}", field=field,
                              remedy="use kernels 'auto' or 'xla'")
-  elif choice == "pallas":
-    raise errors.MtpjaxError(
-        "kernels 'pallas' have no implementation yet (issue #49 items 3-4)", field=field,
-        remedy="use kernels 'auto', 'xla' or (on CPU) 'native'")
   return Kernels(choice, here)
 
 

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtpjax.gguf import quant_blocks
-from mtpjax.kernels import backend, native
+from mtpjax.kernels import backend, native, pallas_quant
 
 F32 = jnp.float32
 # On accelerators, row counts up to this contract in a fused loop against the integers (it
@@ -153,21 +153,24 @@ def _signed(flipped):
   return _centered(flipped, 128)
 
 
+# Shifts are written one scalar at a time (stacked), not as a vector of shift counts: a Pallas
+# kernel cannot capture an array constant, and these run inside one (`pallas_quant.py`).
+
 def _nibbles(qs, groups: int, width: int):
   """[..., nb, groups*width] bytes -> [..., nb, groups, 2, width]: low nibbles, then high."""
-  packed = qs.reshape(qs.shape[:-1] + (groups, 1, width))
-  return (packed >> jnp.array([0, 4], jnp.uint8).reshape(2, 1)) & jnp.uint8(0x0F)
+  packed = qs.reshape(qs.shape[:-1] + (groups, width))
+  return jnp.stack([packed & jnp.uint8(0x0F), packed >> jnp.uint8(4)], axis=-2)
 
 
 def _bits(mask, shifts: int):
   """[..., nb, n] bytes -> [..., nb, shifts, n]: bit s of each byte in row s."""
-  return (mask[..., None, :] >> jnp.arange(shifts, dtype=jnp.uint8).reshape(shifts, 1)) & 1
+  return jnp.stack([(mask >> jnp.uint8(s)) & jnp.uint8(1) for s in range(shifts)], axis=-2)
 
 
 def _crumbs(qs, groups: int):
   """[..., nb, groups*32] bytes of 2-bit values -> [..., nb, groups, 4, 32]."""
-  packed = qs.reshape(qs.shape[:-1] + (groups, 1, 32))
-  return (packed >> jnp.array([0, 2, 4, 6], jnp.uint8).reshape(4, 1)) & jnp.uint8(3)
+  packed = qs.reshape(qs.shape[:-1] + (groups, 32))
+  return jnp.stack([(packed >> jnp.uint8(s)) & jnp.uint8(3) for s in (0, 2, 4, 6)], axis=-2)
 
 
 def _blocks(f: dict[str, jax.Array], t: str) -> jax.Array:
@@ -260,7 +263,7 @@ def contract(x: jax.Array, type_name: str, fields: dict[str, jax.Array],
     y = native_contract(x.reshape(-1, x.shape[-1]), None, type_name, fields, int8_activations)
     return y.reshape(x.shape[:-1] + (-1,)).astype(x.dtype)
   if kernels.steps:
-    return _in_row_tiles(lambda tile: fused_contract(tile, type_name, fields), x, x.ndim - 1)
+    return _in_row_tiles(_step_tile(kernels, type_name, fields), x, x.ndim - 1)
   if _fused(kernels, rows):
     return fused_contract(x, type_name, fields)
   if kernels.on_cpu:
@@ -289,6 +292,16 @@ def contract_heads(x: jax.Array, weight: QuantizedTensor) -> jax.Array:
   if _fused(kernels, rows):
     return fused_contract(x, type_name, fields)
   return jnp.einsum("...hi,hoi->...ho", x, dequantize_fields(type_name, fields))
+
+
+def _step_tile(kernels: backend.Kernels, type_name: str, fields: dict[str, jax.Array]):
+  """A step's tile of rows `[ROW_TILE, in]` against one matrix's fields, as `kernels` contract
+  it: the Pallas kernel (`pallas`), else the fused XLA loop."""
+  if kernels.name == "pallas":
+    return lambda tile: pallas_quant.contract(
+        tile, fields, lambda f: dequantize_fields(type_name, f),
+        platform=kernels.platform, interpret=kernels.interpret).astype(tile.dtype)
+  return lambda tile: fused_contract(tile, type_name, fields)
 
 
 def _in_row_tiles(fn, x: jax.Array, row_dims: int) -> jax.Array:
