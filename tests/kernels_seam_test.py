@@ -122,7 +122,8 @@ class MtpOnEqualsOffOnEveryBackendTest(parameterized.TestCase):
   def test_mtp_on_equals_off(self, arch, kernels):
     # `native` is checked by quantized_model_test and the engine suites (its default here).
     model = mtpjax.load(MODELS[arch], kernels=kernels, dtype="bfloat16")
-    settings = dict(max_len=48, prefill_buckets=(16,), prefix_cache=0)
+    # One step a dispatch: the bursts' programs repeat the same step (and cost compiles).
+    settings = dict(max_len=48, prefill_buckets=(16,), prefix_cache=0, decode_steps=1)
     for slots in (1, 8):
       requests = _requests(max(slots, 2))
       run = lambda engine, window=None: SlotScheduler(
