@@ -12,6 +12,7 @@ from gguf import quants
 from gguf.constants import GGMLQuantizationType
 from flax import nnx
 
+from mtpjax.kernels import backend
 from mtpjax.models import grouped_experts
 from mtpjax.models.quantized import QuantizedTensor
 
@@ -76,10 +77,11 @@ class GroupedExpertsTest(parameterized.TestCase):
                                                                    (E, D, F))))
     cls.rng = rng
 
-  def _rows(self, n, k):
-    x = self.rng.standard_normal((n, D)).astype(np.float32)
+  def _rows(self, n, k, rng=None):
+    rng = rng or self.rng
+    x = rng.standard_normal((n, D)).astype(np.float32)
     # rows choose distinct experts, skewed so some experts get many rows and some none
-    ids = np.stack([self.rng.choice(E, k, replace=False, p=np.r_[[0.4, 0.2], [0.4 / 6] * 6])
+    ids = np.stack([rng.choice(E, k, replace=False, p=np.r_[[0.4, 0.2], [0.4 / 6] * 6])
                     for _ in range(n)]).astype(np.int32)
     return x, ids
 
@@ -111,6 +113,25 @@ class GroupedExpertsTest(parameterized.TestCase):
     self.assertLessEqual(ties.sum(), 4)
     np.testing.assert_allclose(got[~ties], want[~ties], atol=2e-4, rtol=1e-4)
     for n in (0, 17, 39):
+      alone = routed(jnp.asarray(x[n:n + 1]), jnp.asarray(ids[n:n + 1]), *weights)
+      np.testing.assert_array_equal(np.asarray(alone)[0], got[n])
+
+  @parameterized.parameters("xla", "pallas")
+  def test_a_steps_pairs_equal_the_reference_and_each_row_alone(self, kernels):
+    # A decode or verify step's rows (any count, past PAIR_ROWS here) go pair by pair, the
+    # Pallas kernel by expert id under `pallas` (run by its interpreter here).
+    x, ids = self._rows(20, 3, np.random.default_rng(7))   # the class's draws left as they were
+    weights = tuple(QuantizedTensor.from_raw("Q8_0", quants.quantize(d, GGMLQuantizationType.Q8_0),
+                                             d.shape) for d in self.dense)
+    for w in weights:
+      w.kernels = backend.Kernels(kernels, "cpu", steps=True)
+    routed = jax.jit(grouped_experts.routed)
+    jaxpr = str(jax.make_jaxpr(grouped_experts.routed)(jnp.asarray(x), jnp.asarray(ids),
+                                                        *weights))
+    self.assertEqual("pallas_call" in jaxpr, kernels == "pallas")
+    got = np.asarray(routed(jnp.asarray(x), jnp.asarray(ids), *weights))
+    np.testing.assert_allclose(got, _numpy_reference(x, ids, *self.dense), atol=2e-4, rtol=1e-4)
+    for n in (0, 11, 19):
       alone = routed(jnp.asarray(x[n:n + 1]), jnp.asarray(ids[n:n + 1]), *weights)
       np.testing.assert_array_equal(np.asarray(alone)[0], got[n])
 

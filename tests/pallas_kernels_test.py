@@ -62,6 +62,18 @@ class PallasQuantTest(parameterized.TestCase):
     self.assertTrue(np.all(np.abs(got - want) <= bound),
                     f"{type_name}: worst error / bound {np.max(np.abs(got - want) / bound):.3f}")
 
+  @parameterized.parameters("Q8_0", "Q4_K")
+  def test_prefill_rows_in_row_tiles_equal_gguf_values(self, type_name):
+    # 300 rows: three programs' row tiles, the last padded
+    values, fields, _ = _case(type_name)
+    x = np.random.default_rng(3).standard_normal((300, values.shape[1])).astype(np.float32)
+    prefill = backend.Kernels("pallas", "cpu")
+    got = np.asarray(jax.jit(lambda x, f: quantized.contract(x, type_name, f, kernels=prefill))(
+        jnp.asarray(x), fields))
+    rows = x.astype(np.float64)
+    bound = 4 * 2.0**-24 * (np.abs(rows) @ np.abs(values).T) * np.sqrt(values.shape[1])
+    self.assertTrue(np.all(np.abs(got - rows @ values.T) <= bound))
+
   @parameterized.parameters("Q5_0", "Q4_K", "Q6_K")
   def test_a_rows_value_does_not_depend_on_the_rows_beside_it(self, type_name):
     _, fields, x = _case(type_name, seed=1)
@@ -70,6 +82,28 @@ class PallasQuantTest(parameterized.TestCase):
     for rows in (slice(0, 8), slice(0, 9), slice(0, 20), slice(3, 5)):
       beside = np.asarray(contract(jnp.asarray(x[rows]), fields))
       np.testing.assert_array_equal(beside[3 - (rows.start or 0)], alone)
+
+  @parameterized.parameters("Q8_0", "Q5_0", "Q4_K", "Q6_K")
+  def test_rows_by_id_equal_their_matrix_within_float32_rounding(self, type_name):
+    # three stacked matrices (experts, heads); each row against the one its id names
+    out, width = SHAPES[type_name]
+    rng = np.random.default_rng(2)
+    raw = random_valid_blocks(rng, type_name, (3 * out, width))
+    values = quants.dequantize(raw, GGMLQuantizationType[type_name]).reshape(3, out, width)
+    fields = {n: jnp.asarray(a)
+              for n, a in quant_blocks.unpack(type_name, raw, (3, out, width)).items()}
+    ids = np.array([2, 0, 0, 1, 2])
+    x = rng.standard_normal((5, width)).astype(np.float32)
+    by_id = jax.jit(lambda x, ids, f: quantized.pallas_by_id(x, ids, type_name, f, STEPS))
+    got = np.asarray(by_id(jnp.asarray(x), jnp.asarray(ids), fields))
+    rows, chosen = x.astype(np.float64), values[ids].astype(np.float64)
+    want = np.einsum("ri,roi->ro", rows, chosen)
+    bound = 4 * 2.0**-24 * np.einsum("ri,roi->ro", np.abs(rows), np.abs(chosen)) * np.sqrt(width)
+    self.assertTrue(np.all(np.abs(got - want) <= bound),
+                    f"{type_name}: worst error / bound {np.max(np.abs(got - want) / bound):.3f}")
+    # a row's value is its own: the same row and id alone
+    alone = np.asarray(by_id(jnp.asarray(x[3:4]), jnp.asarray(ids[3:4]), fields))[0]
+    np.testing.assert_array_equal(got[3], alone)
 
   def test_out_tiles_divide_the_rows(self):
     self.assertEqual(pallas_quant.out_tile(154880), 128)     # GLM's vocabulary head
@@ -80,10 +114,23 @@ class PallasQuantTest(parameterized.TestCase):
   def test_it_lowers_for_tpu(self, type_name):
     self.assertIn("tpu_custom_call", self._exported(type_name, "tpu").mlir_module())
 
+  @parameterized.parameters("Q4_K", "Q6_K")
+  def test_rows_by_id_lower_for_tpu(self, type_name):
+    kernels = backend.Kernels("pallas", "tpu", steps=True)
+    fields = {n: jax.ShapeDtypeStruct(s, d)
+              for n, (s, d) in quant_blocks.field_specs(type_name, (4, 256, 512)).items()}
+    by_id = jax.jit(lambda x, ids, f: quantized.pallas_by_id(x, ids, type_name, f, kernels))
+    exported = export.export(by_id, platforms=("tpu",))(
+        jax.ShapeDtypeStruct((6, 512), jnp.float32), jax.ShapeDtypeStruct((6,), jnp.int32),
+        fields)
+    self.assertIn("tpu_custom_call", exported.mlir_module())
+
   def test_q8_0_lowers_for_cuda_through_triton(self):
     # The other types' nibble and bit planes stack along inner axes, which Triton's
     # lowering does not take yet (README, "Kernels").
     self.assertIn("xla.gpu.triton", self._exported("Q8_0", "cuda").mlir_module())
+    # and the types it cannot take contract as `xla` there, not fail to compile
+    self.assertNotIn("xla.gpu.triton", self._exported("Q4_K", "cuda").mlir_module())
 
   def _exported(self, type_name, platform):
     kernels = backend.Kernels("pallas", platform, steps=True)

@@ -6,7 +6,8 @@
 - `native`: XLA:CPU with the C++ kernels of `native.py` (quantized rows, a SwiGLU, paged GQA
   attention), llama.cpp's arithmetic when rows are int8.
 - `pallas`: Pallas kernels where one is written (a step's rows against quantized matrices,
-  `pallas_quant.py`), `xla`'s paths elsewhere; on CPU run by Pallas' interpreter, for checking
+  and by id against experts and heads, `pallas_quant.py`; a step's paged attention,
+  `pallas_attention.py`), `xla`'s paths elsewhere; on CPU run by Pallas' interpreter, for checking
   only.
 
 `auto` is `native` on CPU where the kernels build, else `xla`. A model's choice is a static
@@ -23,7 +24,7 @@ import functools
 import jax
 
 from mtpjax import errors
-from mtpjax.kernels import native
+from mtpjax.kernels import native, pallas_quant
 
 # XLA may keep a bfloat16 value in float32 where a fusion lets it ("excess precision"), and
 # fusions change with a program's shapes: a step's row would round one way alone and another
@@ -62,6 +63,13 @@ class Kernels:
   def interpret(self) -> bool:
     """Whether Pallas kernels run in Pallas' interpreter (no accelerator to compile for)."""
     return self.name == "pallas" and self.platform == "cpu"
+
+  @property
+  def scalar_prefetch(self) -> bool:
+    """Whether the Pallas kernels that address blocks by prefetched scalars run (rows by matrix
+    id: routed experts, per-head matrices; paged attention): Mosaic takes them (TPU, and the
+    interpreter here), Triton's lowering for GPUs does not, so there those run as `xla`."""
+    return self.name == "pallas" and self.platform not in pallas_quant.GPU_PLATFORMS
 
   @property
   def on_cpu(self) -> bool:

@@ -74,6 +74,22 @@ def _steps_rows(weight) -> bool:
   return isinstance(weight, quantized.QuantizedTensor) and weight.kernels.steps
 
 
+def _pallas_steps(*weights) -> bool:
+  """Whether a step's pairs run the Pallas kernel: quantized experts with `pallas` kernels."""
+  return all(isinstance(w, quantized.QuantizedTensor) and w.kernels.steps
+             and w.kernels.scalar_prefetch for w in weights)
+
+
+def _pallas_pairs(x_pairs, experts, gate, up, down):
+  """Pairs sorted by expert through the Pallas kernel by id, one program per pair and output
+  tile, so a pair's value is its own and a run of one expert's pairs reads its blocks once."""
+  def by_id(rows, weight):
+    return quantized.pallas_by_id(rows, experts, weight.type_name, weight.fields(),
+                                  weight.kernels).astype(x_pairs.dtype)
+  act = jax.nn.silu(by_id(x_pairs, gate)) * by_id(x_pairs, up)
+  return by_id(act, down)
+
+
 def pairwise(x, expert_ids, gate, up, down):
   """A loop over the pairs sorted by expert: each iteration reads one expert by id (a repeat of
   the previous pair's expert is still in cache) and contracts one row against its integers,
@@ -81,6 +97,8 @@ def pairwise(x, expert_ids, gate, up, down):
   if _takes_native(expert_ids, gate, up, down):
     return _native_pairs(x, expert_ids, gate, up, down)
   order, experts, rows = _sorted_pairs(expert_ids)
+  if _pallas_steps(gate, up, down):
+    return _unsort(_pallas_pairs(x[rows], experts, gate, up, down), order, *expert_ids.shape)
 
   def one(pair):
     e, row = pair

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from mtpjax.kernels import backend, native
+from mtpjax.kernels import backend, native, pallas_attention
 from mtpjax.models import blockwise
 
 
@@ -215,6 +215,13 @@ def native_decode_attention(meta: AttentionMetadata) -> bool:
   return kernels.native and kernels.steps
 
 
+def _pallas_steps(meta: AttentionMetadata) -> bool:
+  """Whether a step's paged attention takes the Pallas kernel (`pallas` kernels where it
+  lowers): its rows attend alike however many share the step."""
+  kernels = meta.kernels or backend.default()
+  return kernels.steps and kernels.scalar_prefetch
+
+
 def _paged_attention(cache, q, k, v, meta: AttentionMetadata):
   """`attention` over page pools: rows are scattered through the table, and each block of
   rows is its pages gathered, so a step reads the pages up to the highest position."""
@@ -228,6 +235,12 @@ def _paged_attention(cache, q, k, v, meta: AttentionMetadata):
   q = q.reshape(b, t, hkv, h // hkv, hd).astype(jnp.float32) / jnp.sqrt(jnp.float32(hd))
   if native_decode_attention(meta):
     out = native.paged_attention(q, k_pool, v_pool, table, positions)
+    return out.reshape(b, t, h, vd).astype(dtype), (k_pool, v_pool)
+  if _pallas_steps(meta):   # a KV head's query rows: its group's heads, row by row
+    rows = q.transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * (h // hkv), hd)
+    out = pallas_attention.paged(rows, jnp.repeat(positions, h // hkv, axis=1), k_pool, v_pool,
+                                 table, value_width=vd, interpret=meta.kernels.interpret)
+    out = out.reshape(b, hkv, t, h // hkv, vd).transpose(0, 2, 1, 3, 4)
     return out.reshape(b, t, h, vd).astype(dtype), (k_pool, v_pool)
   gather = lambda pool, first, n: _gather_pages(pool, table, first, n, page_rows).astype(
       jnp.float32)
@@ -257,8 +270,17 @@ def latent_attention(cache: jax.Array, row: jax.Array, q_lat: jax.Array, q_pe: j
   Returns (the latent output [b, T, H, kv_lora], the new cache).
   """
   positions = meta.positions
-  window, length, cache = _row_reader(cache, row, meta)
   kv_lora = q_lat.shape[-1]
+  if meta.page_table is not None and selected is None and _pallas_steps(meta):
+    cache = scatter_rows(cache, row, meta)
+    b, t, h, _ = q_lat.shape
+    rows = jnp.concatenate([q_lat, q_pe], axis=-1).astype(jnp.float32) * scale
+    pool = cache.reshape(cache.shape[0], 1, cache.shape[1], cache.shape[-1])
+    out = pallas_attention.paged(rows.reshape(b, 1, t * h, -1), jnp.repeat(positions, h, axis=1),
+                                 pool, None, meta.page_table, value_width=kv_lora,
+                                 interpret=meta.kernels.interpret)
+    return out.reshape(b, t, h, kv_lora), cache
+  window, length, cache = _row_reader(cache, row, meta)
   q_lat, q_pe = q_lat.astype(jnp.float32), q_pe.astype(jnp.float32)
 
   def scores(first, n):

@@ -57,6 +57,9 @@ NATIVE_ROWS = 64
 # four at a time round otherwise than one alone (Q5_0 measured); one tile shape gives every
 # row the same code, wherever it sits in whatever step.
 ROW_TILE = 8
+# A prefill's rows per program of the Pallas kernel: a tile of weights dequantized in VMEM /
+# shared memory serves this many rows on the MXU / tensor cores.
+PREFILL_ROW_TILE = 128
 # Float32 values per tile of `tiled_contract` (at most): 2 MB, about a core's L2. A matrix
 # that small is one tile: a loop over tiles of a few hundred rows costs more than it saves.
 TILE_ELEMENTS = 1 << 19
@@ -264,6 +267,8 @@ def contract(x: jax.Array, type_name: str, fields: dict[str, jax.Array],
     return y.reshape(x.shape[:-1] + (-1,)).astype(x.dtype)
   if kernels.steps:
     return _in_row_tiles(_step_tile(kernels, type_name, fields), x, x.ndim - 1)
+  if _pallas(kernels, type_name):
+    return _pallas_prefill(x, type_name, fields, kernels)
   if _fused(kernels, rows):
     return fused_contract(x, type_name, fields)
   if kernels.on_cpu:
@@ -287,6 +292,11 @@ def contract_heads(x: jax.Array, weight: QuantizedTensor) -> jax.Array:
     ids = jnp.tile(jnp.arange(x.shape[-2], dtype=jnp.int32), flat.shape[0] // x.shape[-2])
     return native_contract(flat, ids, type_name, fields,
                            weight.int8_activations).reshape(x.shape[:-1] + (-1,))
+  if kernels.steps and kernels.scalar_prefetch:   # each (row, head) pair, heads outermost
+    by_head = jnp.moveaxis(x, -2, 0)
+    ids = jnp.repeat(jnp.arange(x.shape[-2], dtype=jnp.int32), rows)
+    y = pallas_by_id(by_head.reshape(-1, x.shape[-1]), ids, type_name, fields, kernels)
+    return jnp.moveaxis(y.reshape(by_head.shape[:-1] + (-1,)), 0, -2)
   if kernels.steps:
     return _in_row_tiles(lambda tile: fused_contract(tile, type_name, fields), x, x.ndim - 2)
   if _fused(kernels, rows):
@@ -297,11 +307,37 @@ def contract_heads(x: jax.Array, weight: QuantizedTensor) -> jax.Array:
 def _step_tile(kernels: backend.Kernels, type_name: str, fields: dict[str, jax.Array]):
   """A step's tile of rows `[ROW_TILE, in]` against one matrix's fields, as `kernels` contract
   it: the Pallas kernel (`pallas`), else the fused XLA loop."""
-  if kernels.name == "pallas":
-    return lambda tile: pallas_quant.contract(
-        tile, fields, lambda f: dequantize_fields(type_name, f),
-        platform=kernels.platform, interpret=kernels.interpret).astype(tile.dtype)
+  if _pallas(kernels, type_name):
+    return lambda tile: pallas_by_id(tile, None, type_name, fields, kernels).astype(tile.dtype)
   return lambda tile: fused_contract(tile, type_name, fields)
+
+
+def _pallas(kernels: backend.Kernels, type_name: str) -> bool:
+  """Whether rows against a `type_name` matrix run the Pallas kernel: `pallas` kernels, where
+  it compiles for the type (`pallas_quant.lowers`; elsewhere as `xla`)."""
+  return kernels.name == "pallas" and pallas_quant.lowers(type_name, kernels.platform)
+
+
+def _pallas_prefill(x: jax.Array, type_name: str, fields: dict[str, jax.Array],
+                    kernels: backend.Kernels) -> jax.Array:
+  """A prefill's rows through the Pallas kernel, PREFILL_ROW_TILE rows a program (fewer rows:
+  one tile of them, padded to a multiple of 8)."""
+  flat = x.reshape(-1, x.shape[-1])
+  n = flat.shape[0]
+  tile = min(PREFILL_ROW_TILE, -(-n // 8) * 8)
+  y = pallas_quant.contract(
+      jnp.pad(flat, ((0, -n % tile), (0, 0))), fields,
+      lambda f: dequantize_fields(type_name, f), platform=kernels.platform,
+      interpret=kernels.interpret, row_tile=tile)
+  return y[:n].reshape(x.shape[:-1] + (-1,)).astype(x.dtype)
+
+
+def pallas_by_id(x: jax.Array, ids: jax.Array | None, type_name: str,
+                 fields: dict[str, jax.Array], kernels: backend.Kernels) -> jax.Array:
+  """Rows `x [R, in]` against quantized fields `[out, in]` (ids None) or `[E, out, in]`, row r
+  against matrix `ids[r]` (a head, an expert), by the Pallas kernel: `[R, out]` float32."""
+  return pallas_quant.contract(x, fields, lambda f: dequantize_fields(type_name, f),
+                               platform=kernels.platform, interpret=kernels.interpret, ids=ids)
 
 
 def _in_row_tiles(fn, x: jax.Array, row_dims: int) -> jax.Array:
