@@ -56,36 +56,47 @@ def _matrix(spec: str) -> tuple[str, int, int]:
   return type_name, out, width
 
 
-def main(argv):
-  del argv
-  if not native.available():
-    raise app.UsageError("the native CPU kernel is not available here (see the log)")
+def cases():
+  """(spec, type name, fields, weight bytes, rows, x) for each --matrices entry and --rows
+  count: random valid blocks (small scales, so a loop of calls stays finite) and rows."""
   rng = np.random.default_rng(_SEED.value)
-
-  def calls_in_a_row(x, type_name, fields, int8):
-    def one(_, x):
-      return x + 1e-30 * native_contract(x, None, type_name, fields, int8)[:, :1]
-    return jax.lax.fori_loop(0, _CALLS.value, one, x)
-
-  loop = jax.jit(calls_in_a_row, static_argnums=(1, 3))
-  results = {}
   for spec in _MATRICES.value:
     type_name, out, width = _matrix(spec)
     tensor = QuantizedTensor.from_raw(
         type_name, random_valid_blocks(rng, type_name, (out, width), max_scale=1e-3),
         (out, width))
-    fields, weight_bytes = tensor.fields(), tensor.device_bytes()
     for rows in (int(r) for r in _ROWS.value):
       x = jnp.asarray(rng.standard_normal((rows, width)).astype(np.float32))
-      fns = {mode: (lambda x, f, int8=int8: loop(x, type_name, f, int8))
-             for mode, int8 in (("int8_rows", True), ("float32_rows", False))}
-      best = {mode: ms / _CALLS.value
-              for mode, ms in _best_ms(fns, {mode: (x, fields) for mode in fns}).items()}
-      blocks = out * width / 32
-      results[f"{spec}_rows{rows}"] = {
-          f"{mode}_{unit}": value for mode, ms in best.items() for unit, value in (
-              ("us", 1e3 * ms), ("ns_per_32_weights_per_row", 1e6 * ms / (blocks * rows)),
-              ("weight_gb_s", weight_bytes / (ms * 1e-3) / 1e9))}
+      yield spec, type_name, tensor.fields(), tensor.device_bytes(), rows, x
+
+
+def calls_in_a_row(contract):
+  """A jitted loop of --calls calls `contract(x, type_name, fields, option)` in a row, each
+  feeding the next (so none is skipped); `type_name` and `option` static."""
+  def loop(x, type_name, fields, option):
+    def one(_, x):
+      return x + 1e-30 * contract(x, type_name, fields, option)[:, :1]
+    return jax.lax.fori_loop(0, _CALLS.value, one, x)
+  return jax.jit(loop, static_argnums=(1, 3))
+
+
+def main(argv):
+  del argv
+  if not native.available():
+    raise app.UsageError("the native CPU kernel is not available here (see the log)")
+  loop = calls_in_a_row(lambda x, type_name, fields, int8:
+                        native_contract(x, None, type_name, fields, int8))
+  results = {}
+  for spec, type_name, fields, weight_bytes, rows, x in cases():
+    fns = {mode: (lambda x, f, int8=int8: loop(x, type_name, f, int8))
+           for mode, int8 in (("int8_rows", True), ("float32_rows", False))}
+    best = {mode: ms / _CALLS.value
+            for mode, ms in _best_ms(fns, {mode: (x, fields) for mode in fns}).items()}
+    runs_of_32 = fields["d"].shape[0] * x.shape[1] / 32
+    results[f"{spec}_rows{rows}"] = {
+        f"{mode}_{unit}": value for mode, ms in best.items() for unit, value in (
+            ("us", 1e3 * ms), ("ns_per_32_weights_per_row", 1e6 * ms / (runs_of_32 * rows)),
+            ("weight_gb_s", weight_bytes / (ms * 1e-3) / 1e9))}
   print(json.dumps({
       "flags": {f.name: f.value for f in (_MATRICES, _ROWS, _CALLS, _REPEATS, _SEED)},
       "device": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),

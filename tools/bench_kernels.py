@@ -18,16 +18,13 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
 from mtpjax.kernels import backend
-from mtpjax.models.quantized import QuantizedTensor, contract
-from mtpjax.testing.random_blocks import random_valid_blocks
-# bench_kernel's --matrices parsing and flags, bench_moe's timing (absl flags are global: read,
+from mtpjax.models.quantized import contract
+# bench_kernel's cases, timed loop and flags, bench_moe's timing (absl flags are global: read,
 # not redefined).
-from tools.bench_kernel import _CALLS, _MATRICES, _ROWS, _SEED, _matrix
+from tools.bench_kernel import _CALLS, _MATRICES, _ROWS, _SEED, calls_in_a_row, cases
 from tools.bench_moe import _REPEATS, _best_ms
 
 _PEAK = flags.DEFINE_float("peak_gb_s", 0.0,
@@ -41,32 +38,18 @@ def _kernels_here() -> dict[str, backend.Kernels]:
 
 def main(argv):
   del argv
-  rng = np.random.default_rng(_SEED.value)
-
-  def calls_in_a_row(x, type_name, fields, kernels):
-    def one(_, x):
-      return x + 1e-30 * contract(x, type_name, fields, kernels=kernels)[:, :1]
-    return jax.lax.fori_loop(0, _CALLS.value, one, x)
-
-  loop = jax.jit(calls_in_a_row, static_argnums=(1, 3))
+  loop = calls_in_a_row(lambda x, type_name, fields, kernels:
+                        contract(x, type_name, fields, kernels=kernels))
   kernels = _kernels_here()
   results = {}
-  for spec in _MATRICES.value:
-    type_name, out, width = _matrix(spec)
-    tensor = QuantizedTensor.from_raw(
-        type_name, random_valid_blocks(rng, type_name, (out, width), max_scale=1e-3),
-        (out, width))
-    fields, weight_bytes = tensor.fields(), tensor.device_bytes()
-    for rows in (int(r) for r in _ROWS.value):
-      x = jnp.asarray(rng.standard_normal((rows, width)).astype(np.float32))
-      fns = {name: (lambda x, f, k=k: loop(x, type_name, f, k)) for name, k in kernels.items()}
-      best = _best_ms(fns, {name: (x, fields) for name in fns})
-      for name, ms in best.items():
-        gb_s = weight_bytes / (ms / _CALLS.value * 1e-3) / 1e9
-        results[f"{name}:{spec}:rows{rows}"] = {
-            "us": 1e3 * ms / _CALLS.value, "weight_gb_s": gb_s,
-            "of_peak": gb_s / _PEAK.value if _PEAK.value else None,
-            "interpret": kernels[name].interpret}
+  for spec, type_name, fields, weight_bytes, rows, x in cases():
+    fns = {name: (lambda x, f, k=k: loop(x, type_name, f, k)) for name, k in kernels.items()}
+    for name, ms in _best_ms(fns, {name: (x, fields) for name in fns}).items():
+      gb_s = weight_bytes / (ms / _CALLS.value * 1e-3) / 1e9
+      results[f"{name}:{spec}:rows{rows}"] = {
+          "us": 1e3 * ms / _CALLS.value, "weight_gb_s": gb_s,
+          "of_peak": gb_s / _PEAK.value if _PEAK.value else None,
+          "interpret": kernels[name].interpret}
   print(json.dumps({
       "flags": {f.name: f.value for f in (_MATRICES, _ROWS, _CALLS, _REPEATS, _SEED, _PEAK)},
       "platform": backend.platform(), "device": jax.devices()[0].device_kind,
