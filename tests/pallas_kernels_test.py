@@ -94,7 +94,7 @@ class PallasQuantTest(parameterized.TestCase):
               for n, a in quant_blocks.unpack(type_name, raw, (3, out, width)).items()}
     ids = np.array([2, 0, 0, 1, 2])
     x = rng.standard_normal((5, width)).astype(np.float32)
-    by_id = jax.jit(lambda x, ids, f: quantized.pallas_by_id(x, ids, type_name, f, STEPS))
+    by_id = jax.jit(lambda x, ids, f: quantized.pallas_contract(x, type_name, f, STEPS, ids))
     got = np.asarray(by_id(jnp.asarray(x), jnp.asarray(ids), fields))
     rows, chosen = x.astype(np.float64), values[ids].astype(np.float64)
     want = np.einsum("ri,roi->ro", rows, chosen)
@@ -119,7 +119,7 @@ class PallasQuantTest(parameterized.TestCase):
     kernels = backend.Kernels("pallas", "tpu", steps=True)
     fields = {n: jax.ShapeDtypeStruct(s, d)
               for n, (s, d) in quant_blocks.field_specs(type_name, (4, 256, 512)).items()}
-    by_id = jax.jit(lambda x, ids, f: quantized.pallas_by_id(x, ids, type_name, f, kernels))
+    by_id = jax.jit(lambda x, ids, f: quantized.pallas_contract(x, type_name, f, kernels, ids))
     exported = export.export(by_id, platforms=("tpu",))(
         jax.ShapeDtypeStruct((6, 512), jnp.float32), jax.ShapeDtypeStruct((6,), jnp.int32),
         fields)

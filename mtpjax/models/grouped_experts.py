@@ -84,8 +84,8 @@ def _pallas_pairs(x_pairs, experts, gate, up, down):
   """Pairs sorted by expert through the Pallas kernel by id, one program per pair and output
   tile, so a pair's value is its own and a run of one expert's pairs reads its blocks once."""
   def by_id(rows, weight):
-    return quantized.pallas_by_id(rows, experts, weight.type_name, weight.fields(),
-                                  weight.kernels).astype(x_pairs.dtype)
+    return quantized.pallas_contract(rows, weight.type_name, weight.fields(), weight.kernels,
+                                     experts).astype(x_pairs.dtype)
   act = jax.nn.silu(by_id(x_pairs, gate)) * by_id(x_pairs, up)
   return by_id(act, down)
 

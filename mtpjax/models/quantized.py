@@ -295,7 +295,7 @@ def contract_heads(x: jax.Array, weight: QuantizedTensor) -> jax.Array:
   if kernels.steps and kernels.scalar_prefetch:   # each (row, head) pair, heads outermost
     by_head = jnp.moveaxis(x, -2, 0)
     ids = jnp.repeat(jnp.arange(x.shape[-2], dtype=jnp.int32), rows)
-    y = pallas_by_id(by_head.reshape(-1, x.shape[-1]), ids, type_name, fields, kernels)
+    y = pallas_contract(by_head.reshape(-1, x.shape[-1]), type_name, fields, kernels, ids)
     return jnp.moveaxis(y.reshape(by_head.shape[:-1] + (-1,)), 0, -2)
   if kernels.steps:
     return _in_row_tiles(lambda tile: fused_contract(tile, type_name, fields), x, x.ndim - 2)
@@ -308,7 +308,7 @@ def _step_tile(kernels: backend.Kernels, type_name: str, fields: dict[str, jax.A
   """A step's tile of rows `[ROW_TILE, in]` against one matrix's fields, as `kernels` contract
   it: the Pallas kernel (`pallas`), else the fused XLA loop."""
   if _pallas(kernels, type_name):
-    return lambda tile: pallas_by_id(tile, None, type_name, fields, kernels).astype(tile.dtype)
+    return lambda tile: pallas_contract(tile, type_name, fields, kernels).astype(tile.dtype)
   return lambda tile: fused_contract(tile, type_name, fields)
 
 
@@ -325,19 +325,20 @@ def _pallas_prefill(x: jax.Array, type_name: str, fields: dict[str, jax.Array],
   flat = x.reshape(-1, x.shape[-1])
   n = flat.shape[0]
   tile = min(PREFILL_ROW_TILE, -(-n // 8) * 8)
-  y = pallas_quant.contract(
-      jnp.pad(flat, ((0, -n % tile), (0, 0))), fields,
-      lambda f: dequantize_fields(type_name, f), platform=kernels.platform,
-      interpret=kernels.interpret, row_tile=tile)
+  y = pallas_contract(jnp.pad(flat, ((0, -n % tile), (0, 0))), type_name, fields, kernels,
+                      row_tile=tile)
   return y[:n].reshape(x.shape[:-1] + (-1,)).astype(x.dtype)
 
 
-def pallas_by_id(x: jax.Array, ids: jax.Array | None, type_name: str,
-                 fields: dict[str, jax.Array], kernels: backend.Kernels) -> jax.Array:
+def pallas_contract(x: jax.Array, type_name: str, fields: dict[str, jax.Array],
+                    kernels: backend.Kernels, ids: jax.Array | None = None,
+                    row_tile: int | None = None) -> jax.Array:
   """Rows `x [R, in]` against quantized fields `[out, in]` (ids None) or `[E, out, in]`, row r
-  against matrix `ids[r]` (a head, an expert), by the Pallas kernel: `[R, out]` float32."""
+  against matrix `ids[r]` (a head, an expert), by the Pallas kernel with the model's exact
+  dequantization: `[R, out]` float32 (`pallas_quant.contract`)."""
   return pallas_quant.contract(x, fields, lambda f: dequantize_fields(type_name, f),
-                               platform=kernels.platform, interpret=kernels.interpret, ids=ids)
+                               platform=kernels.platform, interpret=kernels.interpret, ids=ids,
+                               row_tile=row_tile)
 
 
 def _in_row_tiles(fn, x: jax.Array, row_dims: int) -> jax.Array:
