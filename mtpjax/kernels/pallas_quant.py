@@ -1,7 +1,8 @@
 """Pallas: rows against GGUF-quantized matrices, each block read once for all rows.
 
-The grid walks tiles of output rows (and, for a prefill's many rows, tiles of rows). A program loads its tile's quantized fields (the GGUF's
-own bytes: f16 scales, packed integers) and every input row, computes the tile's float32
+The grid walks tiles of output rows (and, for a prefill's many rows, tiles of rows). A program
+loads its tile's quantized fields (the GGUF's own bytes: f16 scales, packed integers) and its
+input rows, computes the tile's float32
 values in registers / VMEM with the caller's `dequantize` (the model's exact gguf-py
 arithmetic, so this module imports nothing of the package), and contracts them with a float32
 dot, on the MXU or tensor cores where there is one. Rows come ROW_TILE at a time from the
@@ -65,11 +66,7 @@ def contract(x: jax.Array, fields: dict[str, jax.Array],
   tile = out_tile(out)
   rows, width = x.shape
   row_tile = row_tile or rows
-
-  def kernel(x_ref, *refs):
-    *field_refs, out_ref = refs
-    out_ref[...] = _dot(x_ref[...], dequantize(_loaded(names, field_refs)))
-
+  kernel = _kernel(names, dequantize)
   field_specs = [pl.BlockSpec((tile,) + a.shape[1:],
                               lambda i, j, rank=a.ndim: (j,) + (0,) * (rank - 1))
                  for a in arrays]
@@ -91,12 +88,8 @@ def _by_id(x, ids, fields, dequantize, *, interpret):
   out = arrays[0].shape[1]
   tile = out_tile(out)
   rows, width = x.shape
-
-  def kernel(ids_ref, x_ref, *refs):
-    del ids_ref   # read by the index maps
-    *field_refs, out_ref = refs
-    out_ref[...] = _dot(x_ref[...], dequantize(_loaded(names, field_refs)))
-
+  contract_tile = _kernel(names, dequantize)
+  kernel = lambda ids_ref, *refs: contract_tile(*refs)   # the ids are read by the index maps
   field_specs = [pl.BlockSpec((None, tile) + a.shape[2:],
                               lambda j, r, ids, rank=a.ndim: (ids[r], j) + (0,) * (rank - 2))
                  for a in arrays]
@@ -115,11 +108,12 @@ def _sorted_fields(fields):
   return names, [fields[name] for name in names]
 
 
-def _loaded(names, refs) -> dict[str, jax.Array]:
-  return {name: ref[...] for name, ref in zip(names, refs)}
-
-
-def _dot(rows: jax.Array, values: jax.Array) -> jax.Array:
-  """`rows [R, in]` against a tile's values `[tile, in]`: `[R, tile]`, a float32 dot."""
-  return jax.lax.dot_general(rows.astype(jnp.float32), values, (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32)
+def _kernel(names, dequantize):
+  """The program body both grids run: its rows against its tile's values, a float32 dot."""
+  def kernel(x_ref, *refs):
+    *field_refs, out_ref = refs
+    values = dequantize({name: ref[...] for name, ref in zip(names, field_refs)})
+    out_ref[...] = jax.lax.dot_general(x_ref[...].astype(jnp.float32), values,
+                                       (((1,), (1,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
+  return kernel
