@@ -8,9 +8,11 @@ matrix, 8 rows a slot's experts) must give each row the value it has alone.
 """
 
 import ast
+import dataclasses
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 from flax import nnx
@@ -22,7 +24,7 @@ from mtpjax.draft_window import DraftWindow
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.engine.scheduler import Request, SlotScheduler
 from mtpjax.kernels import backend, native
-from mtpjax.models import quantized
+from mtpjax.models import ffn, primitives, quantized
 
 from fixtures import FIXTURES
 
@@ -110,6 +112,56 @@ class NoOtherModuleAsksThePlatformTest(absltest.TestCase):
     self.assertEqual(sorted(set(askers)), ["kernels/backend.py"])
     self.assertNotIn("models/quantized.py", ambient)
     self.assertNotIn("models/kv_cache.py", ambient)
+
+
+class AStepsRowIsTheSameAloneAsBesideOthersTest(parameterized.TestCase):
+  """The modules between the quantized kernels, at GLM-4.7-Flash's widths (hidden 2048, 64
+  experts): XLA:CPU computes a [1, 2048] row's float32 router dot and RMSNorm reduction with
+  other code than [8, 2048] rows' (the old modules: 8 of 8 router rows and 1 of 8 normed rows
+  differ), which made MTP on != off on the Flash shape. In a step (`Kernels.steps`) each row
+  must get the value it has alone; a prefill's rows may take any path."""
+
+  HIDDEN, EXPERTS = 2048, 64
+
+  def _rows_alone_and_together(self, module, x):
+    module_def, state = nnx.split(module)
+    call = jax.jit(lambda state, rows: nnx.merge(module_def, state)(rows))
+    alone = np.concatenate([np.asarray(call(state, x[i:i + 1])) for i in range(x.shape[0])])
+    return alone, np.asarray(call(state, x))
+
+  def _steps(self, module):
+    for _, node in nnx.iter_graph(module):
+      if isinstance(node, nnx.Module) and hasattr(node, "kernels"):
+        node.kernels = backend.default().for_steps()
+    return module
+
+  def _filled(self, module, seed: int):
+    rng = np.random.default_rng(seed)
+    for _, param in nnx.iter_graph(module):
+      if isinstance(param, nnx.Param):
+        param.value = jnp.asarray(rng.standard_normal(param.value.shape), param.value.dtype)
+    return module
+
+  def _moe(self):
+    cfg = mtpjax.load(MODELS["deepseek2"]).config
+    cfg = dataclasses.replace(cfg, hidden=self.HIDDEN, n_experts=self.EXPERTS, n_experts_used=4,
+                              expert_ffn=32, n_shared_experts=1, n_groups=1, groups_used=1)
+    return ffn.MoE(cfg, jnp.float32)
+
+  @parameterized.named_parameters(
+      (name, name) for name in ("rms_norm", "router", "dense_linear", "head_projection", "moe"))
+  def test_each_row_of_a_step_equals_the_row_alone(self, name):
+    d = self.HIDDEN
+    module = {"rms_norm": lambda: primitives.RMSNorm(d, 1e-5),
+              "router": lambda: primitives.Einsum("nd,ed->ne", (self.EXPERTS, d), jnp.float32),
+              "dense_linear": lambda: primitives.Linear(d, 256, jnp.float32),
+              "head_projection": lambda: primitives.HeadProjection(4, 64, d, jnp.float32),
+              "moe": self._moe}[name]()
+    x = np.random.default_rng(0).standard_normal((8, d)).astype(np.float32) * 3
+    if name == "head_projection":
+      x = x.reshape(8, 1, d).repeat(4, axis=1)
+    alone, together = self._rows_alone_and_together(self._steps(self._filled(module, 1)), x)
+    np.testing.assert_array_equal(together, alone)
 
 
 class MtpOnEqualsOffOnEveryBackendTest(parameterized.TestCase):

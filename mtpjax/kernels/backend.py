@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
+import jax.numpy as jnp
 
 from mtpjax import errors
 from mtpjax.kernels import native, pallas_quant
@@ -31,6 +33,12 @@ from mtpjax.kernels import native, pallas_quant
 # beside other rows (measured: one bfloat16 ulp of a logit, 8 rows against 1). The engine's
 # programs compile with it off, so every value rounds as written, on every backend.
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+# A decode or verify step's rows run this many at a time through one program (`in_row_tiles`):
+# XLA vectorizes a reduction and picks a dot's algorithm by its shape, so rows computed four at
+# a time round otherwise than one alone (measured: Q5_0 rows on `xla`; RMSNorm and the MoE
+# router at GLM-4.7-Flash's widths on `native`); one tile shape gives every row the same code,
+# wherever it sits in whatever step.
+ROW_TILE = 8
 CHOICES = ("auto", "xla", "native", "pallas")
 DEFAULT = "auto"
 NAMES = ("xla", "native", "pallas")
@@ -54,6 +62,12 @@ class Kernels:
     """These kernels tracing a decode or verify step's rows."""
     return dataclasses.replace(self, steps=True)
 
+  def per_row(self, fn, xs, row_dims: int = 1):
+    """`fn` over the rows of `xs` (an array or a tuple of them sharing their first `row_dims`
+    axes): a step's rows in fixed tiles (`in_row_tiles`), so a row's value is the same alone
+    or beside others; other rows (a prefill's) in one call."""
+    return in_row_tiles(fn, xs, row_dims) if self.steps else fn(xs)
+
   @property
   def native(self) -> bool:
     """Whether the native CPU kernels run (resolved at load, so they built)."""
@@ -76,6 +90,24 @@ class Kernels:
     """XLA:CPU: prefill rows contract in tiles that stay in cache (`quantized.tiled_contract`)
     instead of a whole dequantized matrix."""
     return self.platform == "cpu"
+
+
+def in_row_tiles(fn, xs, row_dims: int):
+  """`fn` over the rows of `xs` (their first `row_dims` axes, flattened) ROW_TILE at a time, the
+  last tile padded with zeros: one compiled program for every tile, fenced so nothing around it
+  fuses in, so a row's value depends on that row alone. `xs` and `fn`'s result may be tuples."""
+  lead = jax.tree.leaves(xs)[0].shape[:row_dims]
+  n = math.prod(lead)
+
+  def tiled(x):
+    flat = x.reshape((n,) + x.shape[row_dims:])
+    flat = jnp.pad(flat, ((0, -n % ROW_TILE),) + ((0, 0),) * (flat.ndim - 1))
+    return flat.reshape((-1, ROW_TILE) + flat.shape[1:])
+
+  fenced = lambda tile: jax.lax.optimization_barrier(fn(jax.lax.optimization_barrier(tile)))
+  out = jax.lax.map(fenced, jax.tree.map(tiled, xs))
+  return jax.tree.map(lambda y: y.reshape((-1,) + y.shape[2:])[:n].reshape(lead + y.shape[2:]),
+                      out)
 
 
 def platform() -> str:

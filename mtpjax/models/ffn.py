@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtpjax.kernels import backend
 from mtpjax.models import grouped_experts, quantized
 from mtpjax.models.config import ModelConfig
 from mtpjax.models.primitives import Einsum, GgufWeight, Linear, zeros_param
@@ -80,14 +81,22 @@ class MoE(nnx.Module):
     self.experts = Experts(e, d, f, dtype)
     self.shared = (DenseMLP(d, f * cfg.n_shared_experts, dtype)
                    if cfg.n_shared_experts > 0 else None)
+    self.kernels = backend.default()   # a step's routing and combining row by row (primitives)
 
   def __call__(self, x):
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
-    expert_ids, weights = route(self.router(flat), self.router_bias[...], self.cfg)
+    bias = self.router_bias[...]
+    expert_ids, weights = self.kernels.per_row(lambda scores: route(scores, bias, self.cfg),
+                                               self.router(flat))
     expert_out = self.experts(flat, expert_ids)                              # [N, K, D]
-    routed = jnp.einsum("nk,nkd->nd", weights.astype(jnp.float32),
+
+    def combine(pair):
+      weights, expert_out = pair
+      return jnp.einsum("nk,nkd->nd", weights.astype(jnp.float32),
                         expert_out.astype(jnp.float32)).astype(flat.dtype)
+
+    routed = self.kernels.per_row(combine, (weights, expert_out))
     if self.shared is not None:
       routed = routed + self.shared(flat)
     return routed.reshape(*lead, -1)

@@ -50,7 +50,8 @@ class GlmModel(nnx.Module):
     self.output_norm = RMSNorm(d, cfg.eps) if layout.output else None
     self.head = Linear(d, v, dtype) if layout.output and not cfg.tied_head else None
     self.mtp = MtpHead(cfg, dtype) if layout.mtp else None
-    # Which kernels attend (its quantized tensors carry their own): `quantized.with_kernels`.
+    # Which kernels attend and run a tied head (its other modules carry their own):
+    # `quantized.with_kernels`.
     self.kernels = backend.default()
 
   @staticmethod
@@ -88,8 +89,9 @@ class GlmModel(nnx.Module):
     if self.head is None:   # tied: the embedding table [V, D] is the head
       if isinstance(self.embed, quantized.QuantizedTensor):
         return quantized.matmul(hidden, self.embed).astype(jnp.float32)
-      return jnp.einsum("...d,vd->...v", hidden, self.embed[...].astype(hidden.dtype)
-                        ).astype(jnp.float32)
+      table = self.embed[...].astype(hidden.dtype)
+      return self.kernels.per_row(lambda rows: jnp.einsum("...d,vd->...v", rows, table),
+                                  hidden, hidden.ndim - 1).astype(jnp.float32)
     return self.head(hidden).astype(jnp.float32)
 
   # --- MTP head ----------------------------------------------------------------------------------

@@ -10,6 +10,11 @@ loader swaps it in), kept in GGUF layout (`[out, in]`, `[H, out, in]`).
 transposes it): `x @ W` over row-major `[in, out]` keeps a verify pass of 2 rows (and any small
 batch) about as cheap as 1 row on XLA:CPU, where `[out, in]` takes a slower GEMM path. Norms,
 RoPE, router and softmax run in float32 whatever the weight dtype.
+
+Each module that contracts or reduces over a row (norms, dense weights) holds the model's
+`kernels` (`quantized.with_kernels`): in a decode or verify step it computes its rows in fixed
+tiles (`Kernels.per_row`), since XLA picks a dot's or a reduction's code by its shape and a
+row would otherwise round one way alone and another beside a verify pass's rows.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtpjax.kernels import backend
 from mtpjax.models import quantized
 
 
@@ -42,12 +48,14 @@ class Linear(nnx.Module):
   def __init__(self, in_dim: int, out_dim: int, dtype, *, bias: bool = False):
     self.weight = LinearWeight(jnp.zeros((in_dim, out_dim), dtype))
     self.bias = zeros_param((out_dim,), jnp.float32) if bias else None
+    self.kernels = backend.default()
 
   def __call__(self, x: jax.Array) -> jax.Array:
     if isinstance(self.weight, quantized.QuantizedTensor):
       y = quantized.matmul(x, self.weight)
     else:
-      y = jnp.einsum("...i,io->...o", x, self.weight[...].astype(x.dtype))
+      w = self.weight[...].astype(x.dtype)
+      y = self.kernels.per_row(lambda rows: jnp.einsum("...i,io->...o", rows, w), x, x.ndim - 1)
     return self.plus_bias(y)
 
   def plus_bias(self, y: jax.Array) -> jax.Array:
@@ -65,15 +73,18 @@ def project(x: jax.Array, *linears: Linear) -> list[jax.Array]:
 
 
 class Einsum(nnx.Module):
-  """A dense weight contracted by a fixed einsum `spec` ("inputs,weight->out"), in float32
-  (the MoE router)."""
+  """A dense weight contracted with rows by a fixed einsum `spec` ("nd,weight->n..."), in
+  float32 (the MoE router)."""
 
   def __init__(self, spec: str, shape: tuple[int, ...], dtype):
     self.spec = spec
     self.weight = zeros_param(shape, dtype)
+    self.kernels = backend.default()
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return jnp.einsum(self.spec, x.astype(jnp.float32), self.weight[...].astype(jnp.float32))
+    w = self.weight[...].astype(jnp.float32)
+    return self.kernels.per_row(
+        lambda rows: jnp.einsum(self.spec, rows.astype(jnp.float32), w), x, x.ndim - 1)
 
 
 class HeadProjection(nnx.Module):
@@ -86,12 +97,14 @@ class HeadProjection(nnx.Module):
 
   def __init__(self, heads: int, out_dim: int, in_dim: int, dtype):
     self.weight = GgufWeight(jnp.zeros((heads, out_dim, in_dim), dtype))
+    self.kernels = backend.default()
 
   def __call__(self, x: jax.Array) -> jax.Array:
     if isinstance(self.weight, quantized.QuantizedTensor):
       return quantized.contract_heads(x, self.weight)
-    return jnp.einsum("...hi,hoi->...ho", x.astype(jnp.float32),
-                      self.weight[...].astype(jnp.float32))
+    w = self.weight[...].astype(jnp.float32)
+    return self.kernels.per_row(
+        lambda rows: jnp.einsum("...hi,hoi->...ho", rows.astype(jnp.float32), w), x, x.ndim - 2)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -106,9 +119,11 @@ class RMSNorm(nnx.Module):
   def __init__(self, dim: int, eps: float):
     self.weight = zeros_param((dim,), jnp.float32)
     self.eps = eps
+    self.kernels = backend.default()
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return rms_norm(x, self.weight[...], self.eps)
+    weight = self.weight[...]
+    return self.kernels.per_row(lambda rows: rms_norm(rows, weight, self.eps), x, x.ndim - 1)
 
 
 def rope_neox(x: jax.Array, positions: jax.Array, rope_dims: int, theta: float) -> jax.Array:

@@ -52,11 +52,6 @@ FUSED_ROWS = 16
 # head for per-head projections) contract in the native kernel, which unpacks each block once
 # for all of them; prefill-sized counts dequantize tiles for a GEMM.
 NATIVE_ROWS = 64
-# A decode or verify step's rows contract this many at a time through one program
-# (`_in_row_tiles`) on `xla`: XLA:CPU vectorizes a reduction by its shape, so rows computed
-# four at a time round otherwise than one alone (Q5_0 measured); one tile shape gives every
-# row the same code, wherever it sits in whatever step.
-ROW_TILE = 8
 # A prefill's rows per program of the Pallas kernel: a tile of weights dequantized in VMEM /
 # shared memory serves this many rows on the MXU / tensor cores.
 PREFILL_ROW_TILE = 128
@@ -128,7 +123,7 @@ def with_int8_activations(graphdef: nnx.GraphDef, state: nnx.State
 def with_kernels(graphdef: nnx.GraphDef, state: nnx.State, kernels: backend.Kernels
                  ) -> tuple[nnx.GraphDef, nnx.State]:
   """The same weights contracting (and, the model, attending) with `kernels`: every module with
-  a `kernels` attribute (each `QuantizedTensor`, the model) takes it."""
+  a `kernels` attribute (each `QuantizedTensor`, norm and dense weight, the model) takes it."""
   return _with_static(graphdef, state, "kernels", lambda _: kernels)
 
 
@@ -266,7 +261,7 @@ def contract(x: jax.Array, type_name: str, fields: dict[str, jax.Array],
     y = native_contract(x.reshape(-1, x.shape[-1]), None, type_name, fields, int8_activations)
     return y.reshape(x.shape[:-1] + (-1,)).astype(x.dtype)
   if kernels.steps:
-    return _in_row_tiles(_step_tile(kernels, type_name, fields), x, x.ndim - 1)
+    return backend.in_row_tiles(_step_tile(kernels, type_name, fields), x, x.ndim - 1)
   if _pallas(kernels, type_name):
     return _pallas_prefill(x, type_name, fields, kernels)
   if _fused(kernels, rows):
@@ -298,14 +293,15 @@ def contract_heads(x: jax.Array, weight: QuantizedTensor) -> jax.Array:
     y = pallas_contract(by_head.reshape(-1, x.shape[-1]), type_name, fields, kernels, ids)
     return jnp.moveaxis(y.reshape(by_head.shape[:-1] + (-1,)), 0, -2)
   if kernels.steps:
-    return _in_row_tiles(lambda tile: fused_contract(tile, type_name, fields), x, x.ndim - 2)
+    return backend.in_row_tiles(lambda tile: fused_contract(tile, type_name, fields), x,
+                                x.ndim - 2)
   if _fused(kernels, rows):
     return fused_contract(x, type_name, fields)
   return jnp.einsum("...hi,hoi->...ho", x, dequantize_fields(type_name, fields))
 
 
 def _step_tile(kernels: backend.Kernels, type_name: str, fields: dict[str, jax.Array]):
-  """A step's tile of rows `[ROW_TILE, in]` against one matrix's fields, as `kernels` contract
+  """A step's tile of rows `[backend.ROW_TILE, in]` against one matrix's fields, as `kernels` contract
   it: the Pallas kernel (`pallas`), else the fused XLA loop."""
   if _pallas(kernels, type_name):
     return lambda tile: pallas_contract(tile, type_name, fields, kernels).astype(tile.dtype)
@@ -339,21 +335,6 @@ def pallas_contract(x: jax.Array, type_name: str, fields: dict[str, jax.Array],
   return pallas_quant.contract(x, fields, lambda f: dequantize_fields(type_name, f),
                                platform=kernels.platform, interpret=kernels.interpret, ids=ids,
                                row_tile=row_tile)
-
-
-def _in_row_tiles(fn, x: jax.Array, row_dims: int) -> jax.Array:
-  """`fn` over the rows of x (its first `row_dims` axes, flattened) ROW_TILE at a time, the
-  last tile padded: one compiled program for every tile, fenced so nothing around it fuses in,
-  so a row's value depends on that row alone."""
-  lead = x.shape[:row_dims]
-  flat = x.reshape((-1,) + x.shape[row_dims:])
-  n = flat.shape[0]
-  tiles = jnp.pad(flat, ((0, -n % ROW_TILE),) + ((0, 0),) * (flat.ndim - 1))
-  tiles = tiles.reshape((-1, ROW_TILE) + flat.shape[1:])
-  fenced = lambda tile: jax.lax.optimization_barrier(fn(jax.lax.optimization_barrier(tile)))
-  out = jax.lax.map(fenced, tiles)
-  out = out.reshape((-1,) + out.shape[2:])[:n]
-  return out.reshape(lead + out.shape[1:])
 
 
 def takes_native(type_name: str, rows: int, int8_activations: bool = False,
