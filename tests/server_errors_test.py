@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -208,6 +209,27 @@ class StartupErrorTest(parameterized.TestCase):
     self.assertIn(message, result.stderr)
     self.assertNotIn("Traceback", result.stderr)
     self.assertNotIn("mtpjax ready", result.stderr)
+
+  def test_a_busy_port_fails_before_the_model_loads(self):
+    # The port is checked first: a missing source would be the error after it.
+    busy = socket.socket()
+    self.addCleanup(busy.close)
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    tmp = tempfile.mkdtemp(prefix="mtpjax-startup-test-")
+    self.addCleanup(shutil.rmtree, tmp, True)
+    result = subprocess.run(
+        [sys.executable, "-m", "mtpjax.serve", "--config=configs/glm.py",
+         "--config.model.source=/nonexistent", f"--config.cache_dir={tmp}",
+         "--config.server.host=127.0.0.1", f"--config.server.port={port}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    self.assertEqual(result.returncode, 1, result.stderr[-3000:])
+    self.assertIn(f"cannot listen on 127.0.0.1:{port}", result.stderr)
+    self.assertIn("server.port", result.stderr)
+    self.assertNotIn("does not exist", result.stderr)
+    self.assertNotIn("Traceback", result.stderr)
 
 
 if __name__ == "__main__":

@@ -223,6 +223,17 @@ class ServerTest(ServerTestBase):
                      r"advertises default \"native-mtp-n1\"")
     self.assertLess(log.index("native MTP on:"), log.index("mtpjax ready:"))
 
+  def test_warm_up_logs_each_program_with_its_progress(self):
+    progress = re.findall(r"warm-up (\d+) of (\d+): (.+) \((\d+\.\d) s so far\)",
+                          self.server.log())
+    total = int(progress[0][1])
+    self.assertEqual([(int(i), int(n)) for i, n, _, _ in progress],
+                     [(i, total) for i in range(1, total + 1)])
+    self.assertIn("prefill bucket", progress[0][2])
+    self.assertTrue(any("window 1" in label for _, _, label, _ in progress))
+    seconds = [float(s) for _, _, _, s in progress]
+    self.assertEqual(seconds, sorted(seconds))
+
   def test_models_report_native_mtp_and_why(self):
     models = self.client.models.list()
     self.assertEqual([m.id for m in models.data], [MODEL])

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any, Callable, Protocol
 
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from mtpjax import errors
 from mtpjax.draft_window import MAX_DRAFT_TOKENS
@@ -354,26 +356,44 @@ class DecodeEngine(Protocol):
   def free(self, state: Any, slot: int) -> Any: ...
 
 
-def warm_up(engine: DecodeEngine) -> None:
+def warm_up(engine: DecodeEngine, log: Callable[..., None] = logging.info) -> None:
   """Compile every prefill bucket and every step variant of an engine now, not under the first
-  requests. Runs on a throwaway state with every slot inactive but the one that sets a step's
-  slot count."""
-  ec = engine.engine_cfg
+  requests, logging each with its seconds ("warm-up 3 of 14: ..."), so a long first start shows
+  its progress. Runs on a throwaway state with every slot inactive but the one that sets a
+  step's slot count."""
+  plan = _warm_up_plan(engine)
   state = engine.init_state()
+  started = time.perf_counter()
+  for i, (label, action) in enumerate(plan, 1):
+    state = action(state)
+    log("warm-up %d of %d: %s (%.1f s so far)", i, len(plan), label,
+        time.perf_counter() - started)
+
+
+def _warm_up_plan(engine: DecodeEngine) -> list[tuple[str, Callable[[Any], Any]]]:
+  """`warm_up`'s calls in order, each a (label, state -> state) that compiles one program (the
+  slots it borrows given back: each schedule's slot frees its pages after each window's steps
+  and after its last, so the warm-up needs no more of a small KV pool than one short request
+  does, bursts and window buckets however many)."""
+  ec = engine.engine_cfg
+  plan = []
+
+  def prefill(bucket: int, nextn: bool):
+    def action(state):
+      state = engine.free(state, 0)    # its pages back first: a small pool may need them
+      prefix = engine.prefill(np.zeros(bucket - 1, np.int32), SamplerParams(), state=state,
+                              nextn=nextn)
+      return engine.insert(prefix, state, 0)
+    return action
+
   # With native MTP, a prompt is prefilled with or without its NextN rows (`detach`).
-  nextn_modes = (True, False) if ec.native_mtp else (True,)
   for bucket in ec.prefill_buckets:
     if bucket - 1 >= ec.max_len or bucket > ec.cache_len:
       continue
-    for nextn in nextn_modes:
-      state = engine.free(state, 0)    # its pages back first: a small pool may need them
-      state = engine.insert(engine.prefill(np.zeros(bucket - 1, np.int32), SamplerParams(),
-                                           state=state, nextn=nextn), state, 0)
+    for nextn in (True, False) if ec.native_mtp else (True,):
+      plan.append((f"prefill bucket {bucket}{'' if nextn else ' without NextN rows'}",
+                   prefill(bucket, nextn)))
   drafts = np.zeros((ec.slots, ec.draft_tokens), np.int32) if ec.host_drafts else None
-  # Each schedule's slot gives its pages back after each window's steps and after its last,
-  # so the warm-up needs no more of a small KV pool than one short request does, bursts and
-  # window buckets however many.
-  state = engine.free(state, 0)
   bursts = sorted({1, engine.decode_burst})   # a step, and a decode burst where it runs them
   no_drafts = np.zeros(ec.slots, np.int32)
 
@@ -382,22 +402,42 @@ def warm_up(engine: DecodeEngine) -> None:
       state = engine.free(state, int(slot))
     return state
 
-  for reach in engine.warm_up_schedule():
-    if not ec.drafts:
-      for burst in bursts:
+  def step(reach, windows, burst: int, release: bool = False):
+    def action(state):
+      if windows is None:
         state, _, _ = engine.step(state, reach, decode_steps=burst)
-    else:
-      for window in ec.window_buckets:           # every window bucket, then plain steps
-        for burst in bursts:
-          state, _, _ = engine.step(state, reach, np.full(ec.slots, window, np.int32),
-                                    drafts=drafts, decode_steps=burst)
-        state = released(state, reach)
-      for burst in bursts:
-        state, _, _ = engine.step(state, reach, no_drafts, drafts=drafts, decode_steps=burst)
-      if ec.native_mtp:
-        state = engine.catch_up(state, reach)   # the missing MTP rows, before drafting again
-        for slot in np.flatnonzero(reach):       # and the steps of detached slots alone
-          state = engine.detach(state, int(slot))
-        for burst in bursts:
-          state, _, _ = engine.step(state, reach, no_drafts, drafts=drafts, decode_steps=burst)
-    state = released(state, reach)
+      else:
+        state, _, _ = engine.step(state, reach, windows, drafts=drafts, decode_steps=burst)
+      return released(state, reach) if release else state
+    return action
+
+  def detached(reach):
+    def action(state):
+      state = engine.catch_up(state, reach)   # the missing MTP rows, before drafting again
+      for slot in np.flatnonzero(reach):       # and the steps of detached slots alone
+        state = engine.detach(state, int(slot))
+      return state
+    return action
+
+  plan_steps = []
+  for reach in engine.warm_up_schedule():
+    name = f"{int(np.flatnonzero(reach).max()) + 1} slots:"
+    if not ec.drafts:
+      plan_steps += [(f"{name} step, {burst} a dispatch",
+                      step(reach, None, burst, burst == bursts[-1])) for burst in bursts]
+      continue
+    for window in ec.window_buckets:           # every window bucket, then plain steps
+      plan_steps += [(f"{name} step, window {window}, {burst} a dispatch",
+                      step(reach, np.full(ec.slots, window, np.int32), burst,
+                           burst == bursts[-1])) for burst in bursts]
+    plan_steps += [(f"{name} step without drafts, {burst} a dispatch",
+                    step(reach, no_drafts, burst, burst == bursts[-1] and not ec.native_mtp))
+                   for burst in bursts]
+    if ec.native_mtp:
+      plan_steps.append((f"{name} NextN catch-up", detached(reach)))
+      plan_steps += [(f"{name} step of detached slots, {burst} a dispatch",
+                      step(reach, no_drafts, burst, burst == bursts[-1])) for burst in bursts]
+  if plan_steps:   # the prefills' slot back before the first step
+    label, first = plan_steps[0]
+    plan_steps[0] = (label, lambda state: first(engine.free(state, 0)))
+  return plan + plan_steps

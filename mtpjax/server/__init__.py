@@ -176,10 +176,15 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def serve(config) -> None:
-  """Builds the service and serves it until interrupted (SIGINT/SIGTERM)."""
-  service = build_service(config)
+  """Builds the service and serves it until interrupted (SIGINT/SIGTERM). The port is taken
+  first: a busy one fails at once, not after minutes of loading and warm-up."""
+  sock = _bind(config.server.host, config.server.port)
   try:
-    sock = _bind(config.server.host, config.server.port)
+    service = build_service(config)
+  except BaseException:
+    sock.close()
+    raise
+  try:
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     ready = (f"mtpjax ready: serving {service.model_name!r} at {url}/v1 (native MTP "
