@@ -97,6 +97,20 @@ class GreedyTest(parameterized.TestCase):
                   jnp.ones((n,), jnp.float32))
     np.testing.assert_array_equal(np.asarray(got), logits.argmax(-1))
 
+  @parameterized.parameters(1e-38, 1.1e-38, 1e-45, 1e-7)
+  def test_a_top_p_near_zero_keeps_the_top_token(self, top_p):
+    # A subnormal top_p is flushed to 0 on XLA:CPU; the nucleus still holds the top token
+    # (the old rule kept nothing and drew token 0 forever). `_narrow` searches whole rows.
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((16, 300)).astype(np.float32) * 2
+    n = logits.shape[0]
+    keys = jnp.asarray(np.stack([request_key(70 + s) for s in range(n)]))
+    for fn in (_sample, _narrow):
+      got = fn(jnp.asarray(logits), keys, jnp.arange(n, dtype=jnp.int32),
+               jnp.ones((n,), jnp.float32), jnp.zeros((n,), jnp.int32),
+               jnp.full((n,), top_p, jnp.float32))
+      np.testing.assert_array_equal(np.asarray(got), logits.argmax(-1))
+
   def test_greedy_and_sampled_rows_share_one_call(self):
     logits = np.array([[0.0, 3.0, 1.0, 2.0]] * 2, np.float32)
     keys = jnp.asarray(np.stack([request_key(5)] * 2))

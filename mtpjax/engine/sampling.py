@@ -114,7 +114,8 @@ def _thresholds(rows: jax.Array, top_k: jax.Array, top_p: jax.Array, candidates:
   total = jnp.sum(_kept_weights(rows, top, kth), axis=-1)
   probs = _kept_weights(values, top, kth) / total[:, None]
   before = jnp.cumsum(probs, axis=-1) - probs
-  kept = (before < top_p[:, None]) & (values >= kth[:, None])
+  # The top value always: XLA:CPU flushes a subnormal top_p to 0, which would keep nothing.
+  kept = ((before < top_p[:, None]) | (jnp.arange(width) == 0)) & (values >= kth[:, None])
   nucleus = top_p < 1.0
   cutoff = jnp.where(nucleus, jnp.min(jnp.where(kept, values, jnp.inf), axis=-1), -jnp.inf)
   fast = jnp.maximum(kth, cutoff)
