@@ -8,13 +8,15 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import threading
 
 import gguf
 import numpy as np
 from absl.testing import absltest
 
 import package_examples as examples
-from mtpjax.package import writer
+from mtpjax import errors
+from mtpjax.package import manifest as manifest_lib, writer
 from mtpjax.package.preflight import preflight
 from fixtures import FIXTURES
 
@@ -195,6 +197,28 @@ class ExamplePackageTest(absltest.TestCase):
     report = preflight(root)
     self.assertEqual(_codes(report), ["unsupported_schema_version"])
     self.assertEqual(report["artifacts"], [])
+
+  def test_a_manifest_that_is_not_a_regular_file_inside_the_package_is_refused(self):
+    # A FIFO used to block preflight forever; a symlink out of the package was read.
+    fifo_root = examples.temporary_directory(self)
+    os.mkfifo(fifo_root / "model-package.json")
+    directory_root = examples.temporary_directory(self)
+    (directory_root / "model-package.json").mkdir()
+    outside = self.root.parent / "elsewhere.json"
+    (self.root / "model-package.json").rename(outside)
+    os.symlink(outside, self.root / "model-package.json")
+    for root, code in ((fifo_root, "manifest_not_file"), (directory_root, "manifest_not_file"),
+                       (self.root, "unsafe_manifest_path")):
+      reports = []
+      worker = threading.Thread(target=lambda: reports.append(preflight(root)), daemon=True)
+      worker.start()
+      worker.join(30)
+      self.assertFalse(worker.is_alive(), f"preflight of {root} hangs")
+      self.assertEqual((reports[0]["valid"], _codes(reports[0])), (False, [code]))
+      with self.assertRaises(errors.ManifestError) as raised:
+        manifest_lib.load_manifest(root)
+      self.assertEqual([item["code"] for item in raised.exception.issues], [code])
+      self.assertIn("re-download the package", raised.exception.remedy)
 
 
 class CompletePackageTest(absltest.TestCase):

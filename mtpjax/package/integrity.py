@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import pathlib
 import re
 import stat
@@ -85,6 +86,38 @@ def resolve_part(root: pathlib.Path, path: str, role: str) -> pathlib.Path:
     raise errors.ManifestError(record["message"], issues=[record], path=str(root), field=role,
                                remedy=record["remediation"])
   return root / path
+
+
+class ManifestUnreadable(Exception):
+  """The manifest cannot be read safely; `record` is the issue that says why."""
+
+  def __init__(self, record: dict):
+    super().__init__(record["message"])
+    self.record = record
+
+
+def read_manifest_bytes(root: pathlib.Path, name: str) -> bytes:
+  """`root/name`'s bytes, read only when it is a regular file inside the package: a FIFO would
+  block the read forever, a device never end, and a symlink out of the package would make us
+  read a file the package does not hold. Opened without blocking, then checked by `fstat`, so
+  a file swapped after a check is caught too. Raises `ManifestUnreadable`."""
+  path = root / name
+  reason = escape_reason(root, name)
+  if reason is not None:
+    raise ManifestUnreadable(issues_lib.issue(
+        "unsafe_manifest_path", f"package manifest {path} is not read: {reason}", path=name))
+  try:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+  except OSError as error:
+    raise ManifestUnreadable(issues_lib.issue(
+        "missing_manifest", f"package manifest {path} cannot be read: {error.strerror or error}",
+        path=name)) from error
+  if not stat.S_ISREG(os.fstat(fd).st_mode):
+    os.close(fd)
+    raise ManifestUnreadable(issues_lib.issue(
+        "manifest_not_file", f"package manifest {path} is not a regular file", path=name))
+  with os.fdopen(fd, "rb") as handle:
+    return handle.read()
 
 
 @dataclasses.dataclass(frozen=True)

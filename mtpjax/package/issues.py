@@ -96,6 +96,10 @@ REMEDIES: dict[str, str] = {
     "unsafe_artifact_path": "artifact paths must be relative, use '/', have no '.'/'..' components "
                             "and must not leave the package through a symlink",
     "artifact_not_file": "replace the path with a regular file (re-download the package)",
+    "manifest_not_file": "make model-package.json a regular file (not a FIFO, device or "
+                         "directory): re-download the package or " + _RESPLIT,
+    "unsafe_manifest_path": "make model-package.json a file inside the package, not a symlink "
+                            "leaving it: re-download the package or " + _RESPLIT,
     "missing_artifact": "re-download the package or " + _RESPLIT,
     "artifact_size_mismatch": "the file is truncated or replaced: re-download it or " + _RESPLIT,
     "empty_artifact": "artifact_bytes must be the (positive) file size; " + _RESPLIT,

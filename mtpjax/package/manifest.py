@@ -376,12 +376,11 @@ def read_manifest(package_dir: str | pathlib.Path) -> tuple[Manifest, str]:
   root = pathlib.Path(package_dir)
   path = root / MANIFEST_NAME
   try:
-    data = path.read_bytes()
-  except OSError as error:
-    record = issue("missing_manifest", f"package manifest {path} cannot be read: {error}",
-                   path=MANIFEST_NAME)
+    data = integrity.read_manifest_bytes(root, MANIFEST_NAME)
+  except integrity.ManifestUnreadable as unreadable:
+    record = unreadable.record
     raise errors.ManifestError(record["message"], issues=[record], path=str(path),
-                               remedy=record["remediation"]) from error
+                               remedy=record["remediation"]) from unreadable
   return parse_manifest(data, path=path, package_root=root), manifest_sha256(data)
 
 

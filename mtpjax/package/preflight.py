@@ -160,12 +160,10 @@ def preflight(package_dir: str | pathlib.Path, *, stages: int | None = None,
   artifacts: list[dict] = []
   stage_reports: list[dict] = []
   digest = raw = v2 = None
-  manifest_path = root / manifest_lib.MANIFEST_NAME
   try:
-    data = manifest_path.read_bytes()
-  except OSError as error:
-    found.append(issue("missing_manifest", f"package manifest {manifest_path} cannot be read: "
-                       f"{error.strerror or error}", path=manifest_lib.MANIFEST_NAME))
+    data = integrity.read_manifest_bytes(root, manifest_lib.MANIFEST_NAME)
+  except integrity.ManifestUnreadable as unreadable:
+    found.append(unreadable.record)
   else:
     digest = manifest_lib.manifest_sha256(data)
     raw, record = manifest_lib.decode_manifest_bytes(data)
