@@ -3,7 +3,9 @@
 A writer builds `.NAME.tmp-PID@HOST.XXXX` next to the target and swaps it in with
 `replace_dir`: an existing target is first renamed aside to `.NAME.old-PID@HOST.XXXX` and
 removed only after the new one is in place, so a kill at any moment leaves either the old or
-the new directory (the old one possibly aside, where `remove_stale` puts it back).
+the new directory (the old one possibly aside, where `remove_stale` puts it back if that
+writer's staging folder is still there, i.e. the new one never landed; once it has landed, a
+target the user deletes stays deleted).
 
 `remove_stale` removes such folders of writers that are gone. A folder is stale when its name
 says it was made on this host by a process that no longer exists, or, whatever its name, when
@@ -84,23 +86,24 @@ def _is_stale(folder: pathlib.Path, owner: str | None, now: float) -> bool:
 
 def remove_stale(target: str | os.PathLike) -> list[pathlib.Path]:
   """Removes the staging folders of dead writers to `target`, and puts back an old target a
-  dead writer had renamed aside when no target is there. Returns what it removed or restored."""
+  dead writer had renamed aside when no target is there and that writer's new one never
+  landed. Returns what it removed or restored."""
   target = pathlib.Path(target)
   if not target.parent.is_dir():
     return []
   now = time.time()
+  ours = [(folder, kind, folder.name[len(_prefix(target, kind)):].rpartition(".")[0] or None)
+          for folder in sorted(target.parent.iterdir()) for kind in _KINDS
+          if folder.name.startswith(_prefix(target, kind)) and folder.is_dir()]
+  # A writer killed mid-swap still has its staging folder: its new target never landed.
+  unswapped = {owner for _, kind, owner in ours if kind == "tmp" and owner is not None}
   done = []
-  for folder in sorted(target.parent.iterdir()):
-    for kind in _KINDS:
-      prefix = _prefix(target, kind)
-      if not folder.name.startswith(prefix) or not folder.is_dir():
-        continue
-      owner = folder.name[len(prefix):].rpartition(".")[0] or None
-      if not _is_stale(folder, owner, now):
-        continue
-      if kind == "old" and not target.exists():
-        os.replace(folder, target)
-      else:
-        shutil.rmtree(folder, ignore_errors=True)
-      done.append(folder)
+  for folder, kind, owner in ours:
+    if not _is_stale(folder, owner, now):
+      continue
+    if kind == "old" and owner in unswapped and not target.exists():
+      os.replace(folder, target)
+    else:
+      shutil.rmtree(folder, ignore_errors=True)
+    done.append(folder)
   return done

@@ -176,11 +176,25 @@ class InterruptedConversionTest(absltest.TestCase):
     self.assertEqual(_leftovers(out), [])
 
   def test_checkpoint_set_aside_by_a_killed_overwrite_is_put_back(self):
+    # Killed mid-swap: the old checkpoint aside, the new one still in its staging folder.
     out = WORK / "killed-overwrite-out"
-    shutil.copytree(CKPT, WORK / f".{out.name}.old-{_dead_writer()}.q9w8e7")
+    writer = _dead_writer()
+    shutil.copytree(CKPT, WORK / f".{out.name}.old-{writer}.q9w8e7")
+    (WORK / f".{out.name}.tmp-{writer}.k2j3h4" / "parts").mkdir(parents=True)
     with self.assertRaisesRegex(errors.CheckpointError, "not empty"):
       convert(SRC, out, show_progress=False)
     self.assertTrue(checkpoint.is_checkpoint(out))
+    self.assertEqual(_leftovers(out), [])
+
+  def test_a_checkpoint_deleted_after_a_killed_overwrite_landed_stays_deleted(self):
+    # Killed while removing the old checkpoint (the new one had landed); the user deleted the
+    # target: converting again writes a new checkpoint, not the older one back.
+    out = WORK / "deleted-after-overwrite-out"
+    stale = WORK / f".{out.name}.old-{_dead_writer()}.q9w8e7"
+    shutil.copytree(CKPT, stale)
+    convert(SRC, out, show_progress=False)
+    self.assertTrue(checkpoint.is_checkpoint(out))
+    self.assertFalse(stale.exists())
     self.assertEqual(_leftovers(out), [])
 
 

@@ -68,10 +68,21 @@ class StagingTest(absltest.TestCase):
     self.assertCountEqual(staging.remove_stale(self.target), [unnamed, foreign])
     self.assertTrue(young.exists())
 
-  def test_old_target_set_aside_by_a_dead_writer_is_restored(self):
-    aside = self._folder("old", f"{_dead_pid()}@{socket.gethostname()}", "old")
+  def test_old_target_set_aside_by_a_writer_killed_mid_swap_is_restored(self):
+    owner = f"{_dead_pid()}@{socket.gethostname()}"
+    aside = self._folder("old", owner, "old")
+    unswapped = self._folder("tmp", owner, "new")
     staging.remove_stale(self.target)
     self.assertEqual((self.target / "file.txt").read_text(), "old")
+    self.assertFalse(aside.exists())
+    self.assertFalse(unswapped.exists())
+
+  def test_a_target_deleted_after_a_completed_swap_stays_deleted(self):
+    # Killed while removing the old target: the new one had landed (no staging folder left).
+    # The user deletes it; the next writer must not bring the older one back.
+    aside = self._folder("old", f"{_dead_pid()}@{socket.gethostname()}", "old")
+    staging.remove_stale(self.target)
+    self.assertFalse(self.target.exists())
     self.assertFalse(aside.exists())
 
   def test_old_target_aside_is_dropped_when_a_new_target_exists(self):
