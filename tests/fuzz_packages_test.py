@@ -6,8 +6,10 @@ About a minute on 2 cores; `python -m tools.fuzz_packages --cases=N` runs the lo
 """
 
 import logging
+import multiprocessing
 import os
 import pathlib
+import time
 
 from absl.testing import absltest
 
@@ -73,6 +75,19 @@ class HarnessTest(absltest.TestCase):
   def test_deadline(self):
     results = package_fuzz.run_cases(DEMO, [SEED], workers=1, timeout_s=0.05)
     self.assertEqual([result.outcome for result in results], ["hang"])
+
+  def test_the_deadline_runs_from_the_mutation_not_the_copy(self):
+    # The harness's own copy and edit (~20 s a case on a loaded machine) made false hangs.
+    item = package_fuzz._Running(multiprocessing.get_context("fork"), DEMO,
+                                 temporary_directory(self), SEED, 2 << 30, [], timeout_s=30)
+    started = time.monotonic()
+    self.addCleanup(item.process.join)
+    self.addCleanup(item.process.kill)
+    while item.mutation is None and item.process.is_alive():
+      item.drain()
+      time.sleep(0.01)
+    self.assertIsNotNone(item.mutation)
+    self.assertGreater(item.deadline, started + 30)
 
   def test_address_space_limit(self):
     # SEED + 3 edits a metadata value that still loads, so its child parses and reads tensors
