@@ -28,8 +28,8 @@ _CASES = flags.DEFINE_integer("cases", 1000, "number of mutated packages to try"
 _PACKAGE = flags.DEFINE_string("package", str(_DEMO), "the pristine layer package to mutate")
 _SEED = flags.DEFINE_integer("seed", 0, "the first case's seed; case i uses seed + i")
 _WORKERS = flags.DEFINE_integer("workers", os.cpu_count() or 1, "cases run at once")
-_TIMEOUT = flags.DEFINE_float("timeout_s", 60.0, "per-case deadline, from the mutation made; past it "
-                               "the case is a hang")
+_TIMEOUT = flags.DEFINE_float("timeout_s", 60.0,
+                              "per-case deadline, from the mutation made; past it the case is a hang")
 _MEMORY_MB = flags.DEFINE_integer("memory_mb", 2048, "address space a case may add (RLIMIT_AS)")
 _SHOWN = flags.DEFINE_integer("show", 20, "failing cases listed in the report")
 
