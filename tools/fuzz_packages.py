@@ -29,7 +29,7 @@ _PACKAGE = flags.DEFINE_string("package", str(_DEMO), "the pristine layer packag
 _SEED = flags.DEFINE_integer("seed", 0, "the first case's seed; case i uses seed + i")
 _WORKERS = flags.DEFINE_integer("workers", os.cpu_count() or 1, "cases run at once")
 _TIMEOUT = flags.DEFINE_float("timeout_s", 60.0,
-                              "per-case deadline, from the mutation made; past it the case is a hang")
+                              "per-case deadline from the mutation made; then it is a hang")
 _MEMORY_MB = flags.DEFINE_integer("memory_mb", 2048, "address space a case may add (RLIMIT_AS)")
 _SHOWN = flags.DEFINE_integer("show", 20, "failing cases listed in the report")
 

@@ -301,8 +301,8 @@ def contract_heads(x: jax.Array, weight: QuantizedTensor) -> jax.Array:
 
 
 def _step_tile(kernels: backend.Kernels, type_name: str, fields: dict[str, jax.Array]):
-  """A step's tile of rows `[backend.ROW_TILE, in]` against one matrix's fields, as `kernels` contract
-  it: the Pallas kernel (`pallas`), else the fused XLA loop."""
+  """A step's tile of rows `[backend.ROW_TILE, in]` against one matrix's fields, as `kernels`
+  contract it: the Pallas kernel (`pallas`), else the fused XLA loop."""
   if _pallas(kernels, type_name):
     return lambda tile: pallas_contract(tile, type_name, fields, kernels).astype(tile.dtype)
   return lambda tile: fused_contract(tile, type_name, fields)
