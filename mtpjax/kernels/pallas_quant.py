@@ -2,11 +2,10 @@
 
 The grid walks tiles of output rows (and, for a prefill's many rows, tiles of rows). A program
 loads its tile's quantized fields (the GGUF's own bytes: f16 scales, packed integers) and its
-input rows, computes the tile's float32
-values in registers / VMEM with the caller's `dequantize` (the model's exact gguf-py
-arithmetic, so this module imports nothing of the package), and contracts them with a float32
-dot, on the MXU or tensor cores where there is one. Rows come ROW_TILE at a time from the
-caller (`backend.in_row_tiles`), so every call has one shape and a row's value does not
+input rows, computes the tile's float32 values in registers / VMEM with the caller's
+`dequantize` (the model's exact gguf-py arithmetic, so this module imports nothing of the
+package), and contracts them with a float32 dot, on the MXU or tensor cores where there is
+one. Rows come `backend.ROW_TILE` at a time from the caller (`backend.in_row_tiles`), so every call has one shape and a row's value does not
 depend on how many rows share a step. Rows by matrix id (routed experts' pairs, per-head
 matrices) take one program per row (`contract(ids=...)`). On CPU the kernels run in Pallas'
 interpreter: for checking only, never for speed.
