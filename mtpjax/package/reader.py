@@ -298,13 +298,14 @@ class ModelSource:
     return infer_activation_width(self.tensors.values())
 
   def raw(self, name: str) -> np.ndarray:
-    """gguf-py's memory-mapped view (typed for F32/F16/I*, uint8 bytes for BF16 and quants)."""
+    """A tensor's bytes as gguf-py types them (F32/F16/I*; uint8 for BF16 and quants), copied
+    out of the file's mapping (`_private`)."""
     part = self._part_of(name)
     opened = self._file(part, keep=True, tensor_data=True)
     if name not in opened.index:
       raise errors.PackageError(f"tensor {name} is not in {part.path}", path=str(part.path),
                                 remedy="check the tensor name against the source's tensors")
-    return opened.index[name].data
+    return _private(opened.index[name].data)
 
   def _check_request(self, layer_start: int, layer_end: int) -> None:
     if not 0 <= layer_start < layer_end:
@@ -371,9 +372,10 @@ class ModelSource:
   def iter_stage_tensors(self, layer_start: int, layer_end: int, *, embeddings: bool,
                          output: bool, extra: Iterable[str] = ()
                          ) -> Iterator[tuple[TensorInfo, np.ndarray]]:
-    """(info, raw view) for a stage, one artifact at a time; `extra` names tensors owned by
-    other parts that the stage needs too (e.g. token_embd.weight for the MTP head)."""
-    return ((info, tensor.data)
+    """(info, raw bytes as `raw` gives them) for a stage, one artifact at a time; `extra`
+    names tensors owned by other parts that the stage needs too (e.g. token_embd.weight for
+    the MTP head)."""
+    return ((info, _private(tensor.data))
             for info, tensor in self._walk(layer_start, layer_end, embeddings, output, extra))
 
   def close(self) -> None:
@@ -385,6 +387,14 @@ class ModelSource:
 
   def __exit__(self, *exc_info: object) -> None:
     self.close()
+
+
+def _private(mapped: np.ndarray) -> np.ndarray:
+  """A tensor copied out of its file's memory map. Arrays made from a view can alias it (XLA:CPU
+  takes aligned host arrays without a copy), and then a served model would read the file for
+  ever after its hash was checked: a truncated file killed the server with SIGBUS, a rewritten
+  one changed its answers. One tensor at a time, so the copy adds a tensor to peak memory."""
+  return np.array(mapped, copy=True)
 
 
 # -- open_source -----------------------------------------------------------------------------
