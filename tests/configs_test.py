@@ -21,6 +21,7 @@ from mtpjax.engine.drafting_policy import AdaptiveDrafting
 from mtpjax.engine.sampling import DEFAULT_MAX_NEW_TOKENS, SamplerParams
 from mtpjax import speculative
 from mtpjax.errors import SpeculativeConfigError
+from mtpjax.server.limits import ServerLimits
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLM = os.path.join(REPO, "configs", "glm.py")
@@ -61,6 +62,10 @@ class OneSetOfDefaultsTest(absltest.TestCase):
     self.assertEqual(generate["decode_steps"].default, EngineConfig().decode_steps)
     self.assertEqual(sampling.max_new_tokens, DEFAULT_MAX_NEW_TOKENS)
     self.assertEqual(set(sampling.keys()), {"temperature", "top_k", "top_p", "max_new_tokens"})
+
+
+  def test_every_server_limit_of_the_config_is_the_library_default(self):
+    self.assertEqual(ServerLimits.from_config(glm.get_config().server), ServerLimits())
 
 
 class GetConfigTest(parameterized.TestCase):

@@ -130,6 +130,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   config.server.template_max_chars = 4 * 2**20   # chat template render budget (output size)
   config.server.api_key = config_dict.placeholder(str)   # or $MTPJAX_API_KEY; unset: open
   config.server.cors_origins = ()             # e.g. ("http://localhost:3000",); none: no CORS
+  config.server.header_timeout_s = 10.0       # a request's headers must arrive by then
+  config.server.body_timeout_s = 60.0         # and its body by then; else the socket closes
+  config.server.idle_timeout_s = 5.0          # a kept-alive connection with no request closes
+  config.server.max_connections = 0           # open sockets; 0: the file limit less 128
 
   config.distributed = ml_collections.ConfigDict()
   config.distributed.coordinator_address = config_dict.placeholder(str)

@@ -22,6 +22,7 @@ from mtpjax.engine.drafting_policy import AdaptiveDrafting
 from mtpjax.engine.sampling import MAX_TOP_LOGPROBS
 from mtpjax.engine.scheduler import SlotScheduler
 from mtpjax.gguf.tokenizer import GgufTokenizer
+from mtpjax.server import connections
 from mtpjax.server.admission import Admission
 from mtpjax.server.app import SamplingDefaults, Service, create_app
 from mtpjax.server.limits import ServerLimits
@@ -190,9 +191,12 @@ def serve(config) -> None:
     ready = (f"mtpjax ready: serving {service.model_name!r} at {url}/v1 (native MTP "
              f"{'on' if service.settings.native_mtp else 'off'})")
     # Cancelled requests end within an engine step; the margin covers their last sends.
+    limits = service.limits
     server = _Server(uvicorn.Config(create_app(service), log_level="warning",
-                                    timeout_graceful_shutdown=service.limits.shutdown_timeout_s
-                                    + 5), ready, service)
+                                    http=connections.guarded_protocol(limits),
+                                    timeout_keep_alive=limits.idle_timeout_s,
+                                    timeout_graceful_shutdown=limits.shutdown_timeout_s + 5),
+                     ready, service)
     # uvicorn re-raises the signal that stopped it once it has shut down; after a graceful
     # shutdown that must not kill the process, which exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)

@@ -3,13 +3,15 @@
 A pure ASGI middleware, so a refused request costs no parsing: a missing or wrong API key gets
 401 (only /v1/* routes need one; /health and /metrics stay open for probes), a POST that is not
 `application/json` gets 415 (a web page can send `text/plain` without a CORS preflight, so a
-local server must refuse it), and a body over `server.max_body_bytes` gets 413 as soon as its
-declared length or its received bytes show it. The body is read here, with the limit, and
+local server must refuse it), a body over `server.max_body_bytes` gets 413 as soon as its
+declared length or its received bytes show it, and one still arriving after
+`server.body_timeout_s` gets 408. The body is read here, with the limit, and
 replayed to the route; later `receive` calls (client disconnects) pass through.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from typing import Any, Awaitable, Callable
 
@@ -83,15 +85,20 @@ class RequestGuards:
   async def _read_body(self, receive: Receive, headers: Headers
                        ) -> tuple[bytes | None, tuple[int, str, str] | None]:
     body = bytearray()
-    while True:
-      message = await receive()
-      if message["type"] == "http.disconnect":
-        return None, None
-      body += message.get("body", b"")
-      if len(body) > self.limits.max_body_bytes:
-        return b"", self._too_large(f"more than {self.limits.max_body_bytes}")
-      if not message.get("more_body", False):
-        return bytes(body), None
+    try:
+      async with asyncio.timeout(self.limits.body_timeout_s):
+        while True:
+          message = await receive()
+          if message["type"] == "http.disconnect":
+            return None, None
+          body += message.get("body", b"")
+          if len(body) > self.limits.max_body_bytes:
+            return b"", self._too_large(f"more than {self.limits.max_body_bytes}")
+          if not message.get("more_body", False):
+            return bytes(body), None
+    except TimeoutError:
+      return b"", (408, f"the request body did not arrive within "
+                   f"{self.limits.body_timeout_s:g} s (server.body_timeout_s)", "request_timeout")
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
