@@ -88,11 +88,12 @@ def chat(model, messages: Messages, *, max_new_tokens: int = 64,
          **generate_kwargs: Any) -> TextResult:
   """The assistant's reply to `messages`, rendered by the model's own chat template; stops at
   the end-of-turn tokens (eos, eot, eom). `chat_template_kwargs` reach the template (e.g.
-  `{"enable_thinking": False}` for GLM)."""
+  `{"enable_thinking": False}` for GLM). Control-token text inside messages stays text
+  (`gguf/control_tokens`)."""
   tokenizer = model.tokenizer
-  prompt = tokenizer.apply_chat_template(messages, tools=tools,
-                                         **dict(chat_template_kwargs or {}))
+  marked, request = tokenizer.control.render(tokenizer.chat_template, messages, tools=tools,
+                                             template_vars=chat_template_kwargs)
   generate_kwargs.setdefault("stop_ids", tuple(tokenizer.stop_ids))
-  result = model.generate(tokenizer.encode(prompt), max_new_tokens=max_new_tokens,
+  result = model.generate(request.encode(marked), max_new_tokens=max_new_tokens,
                           **generate_kwargs)
-  return _text_result(tokenizer, prompt, result)
+  return _text_result(tokenizer, request.plain(marked), result)

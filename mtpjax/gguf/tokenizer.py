@@ -9,6 +9,7 @@ template is untrusted input, so it only ever runs inside jinja2's immutable sand
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from mtpjax.errors import ConversionError
+from mtpjax.gguf.control_tokens import ControlTokens
 
 MODEL_KEY = "tokenizer.ggml.model"
 PRE_KEY = "tokenizer.ggml.pre"
@@ -248,6 +250,11 @@ class GgufTokenizer:
     """Token ids of `text`; special-token text inside it is matched whole. No BOS is added:
     GLM templates write `[gMASK]<sop>` themselves."""
     return self.hf_tokenizer.encode(text, add_special_tokens=False).ids
+
+  @functools.cached_property
+  def control(self) -> ControlTokens:
+    """The control tokens, for tokenizing chat prompts with request text kept plain."""
+    return ControlTokens(self.hf_tokenizer, {self._tokens[i]: i for i in self.control_ids})
 
   def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
     """Text of `ids`; with `skip_special`, control tokens are left out."""

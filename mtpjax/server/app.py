@@ -27,6 +27,7 @@ from mtpjax import errors
 from mtpjax.engine.contract import EngineConfig
 from mtpjax.engine.scheduler import Request
 from mtpjax.engine.sampling import SamplerParams
+from mtpjax.gguf.control_tokens import RequestText
 from mtpjax.gguf.tokenizer import GgufTokenizer
 from mtpjax.runtime_options import GenerationSettings
 from mtpjax.server import logprobs as logprob_format
@@ -276,10 +277,12 @@ class _Routes:
     return self._job(body, ids, budget=body.max_tokens, budget_param="max_tokens",
                      stop_ids=stop_ids, prompt_param="prompt")
 
-  async def _render(self, body: schemas.ChatCompletionRequest, tools: list | None) -> str:
+  async def _render(self, body: schemas.ChatCompletionRequest, tools: list | None,
+                    function: str | None) -> tuple[str, RequestText]:
     try:
       return await self.service.prompts.render([m.template_dict() for m in body.messages],
-                                               body.chat_template_kwargs or {}, tools)
+                                               body.chat_template_kwargs or {}, tools,
+                                               also=(function,))
     except errors.MtpjaxError as e:
       over = isinstance(e.__cause__, TemplateBudgetExceeded)
       raise ApiError(400, e.message, param="messages",
@@ -288,15 +291,19 @@ class _Routes:
   async def _chat_job(self, body: schemas.ChatCompletionRequest) -> _Job:
     self._check_model(body.model)
     tools = body.template_tools()
-    text = await self._render(body, tools)
-    if tools and text == await self._render(body, None):
-      raise schemas.unsupported("tools", "this model's chat template does not render tools, "
-                                "so the model would never see them; leave tools unset")
-    suffix = forced_call_prefix(text, body.forced_function() if tools else None)
+    function = body.forced_function() if tools else None
+    marked, request = await self._render(body, tools, function)
+    text = request.plain(marked)
+    if tools:
+      untooled, untooled_request = await self._render(body, None, function)
+      if text == untooled_request.plain(untooled):
+        raise schemas.unsupported("tools", "this model's chat template does not render tools, "
+                                  "so the model would never see them; leave tools unset")
+    suffix = forced_call_prefix(text, function)
     output = ChatOutput(thinking=reasoning.prompt_opens_thinking(text), tools=tools,
                         forced_prefix=suffix)
-    text += suffix
-    ids = await self.service.prompts.encode(text)
+    ids = await self.service.prompts.encode(
+        marked + forced_call_prefix(text, request(function)), request)
     if not ids:
       raise ApiError(400, "the messages render to an empty prompt", param="messages")
     budget_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"

@@ -4,7 +4,9 @@ Both can take long on hostile input (a huge message, a template that loops), and
 loop must keep answering /health and streaming tokens meanwhile. They run on a small thread
 pool; tokenization goes through `encode_batch`, which releases the GIL while the Rust tokenizer
 works (plain `encode` holds it: a 1 MB prompt stalled every other thread for ~0.6 s), and
-templates render under their budget (`gguf/template_budget`).
+templates render under their budget in child processes killed at its end
+(`gguf/template_process`). A chat's request text never becomes control tokens
+(`gguf/control_tokens`).
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import asyncio
 import concurrent.futures
 from typing import Any, Mapping, Sequence
 
+from mtpjax.gguf.control_tokens import RequestText
 from mtpjax.gguf.tokenizer import GgufTokenizer
 from mtpjax.gguf.template_budget import BudgetedChatTemplate
+from mtpjax.gguf.template_process import TemplateProcesses
 
 
 class PromptBuilder:
@@ -22,24 +26,26 @@ class PromptBuilder:
 
   def __init__(self, tokenizer: GgufTokenizer, template: BudgetedChatTemplate, workers: int = 2):
     self.tokenizer = tokenizer
-    self.template = template
+    self.template = TemplateProcesses(template, workers)     # one child per thread
     self._pool = concurrent.futures.ThreadPoolExecutor(workers,
                                                        thread_name_prefix="mtpjax-prompt")
 
-  def _encode(self, text: str) -> list[int]:
-    """`GgufTokenizer.encode`, without holding the GIL."""
-    return self.tokenizer.hf_tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
-
-  async def encode(self, text: str) -> list[int]:
-    return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, text)
+  async def encode(self, text: str, request: RequestText | None = None) -> list[int]:
+    """Ids of `text`: a completions prompt (control-token text matched), or a rendered chat
+    with its `request`'s text kept plain."""
+    encode = self.tokenizer.control.encode if request is None else request.encode
+    return await asyncio.get_running_loop().run_in_executor(self._pool, encode, text)
 
   async def render(self, messages: Sequence[Mapping[str, Any]], template_vars: Mapping[str, Any],
-                   tools: Sequence[Mapping[str, Any]] | None = None) -> str:
-    """The conversation rendered for generation (with `tools` when given); raises the
+                   tools: Sequence[Mapping[str, Any]] | None = None, also: Sequence[Any] = ()
+                   ) -> tuple[str, RequestText]:
+    """The conversation rendered for generation (with `tools` when given), the request's text
+    marked (`gguf/control_tokens`; `also`: more request strings to mark with it); raises the
     template's ConversionError."""
-    render = lambda: self.template.render(messages, add_generation_prompt=True, tools=tools,
-                                          **template_vars)
+    render = lambda: self.tokenizer.control.render(self.template, messages, tools=tools,
+                                                   template_vars=template_vars, also=also)
     return await asyncio.get_running_loop().run_in_executor(self._pool, render)
 
   def close(self) -> None:
     self._pool.shutdown(wait=False, cancel_futures=True)
+    self.template.close()
