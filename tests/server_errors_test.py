@@ -133,6 +133,12 @@ _BAD_REQUESTS = (
      "invalid_value"),
     ("too_many_stop_token_ids", _CHAT, _chat(stop_token_ids=[1] * 257), 400, "stop_token_ids",
      "invalid_value"),
+    # Bounded preparation (issue 52 item 1): refused before the work grows with the input.
+    ("too_many_messages", _CHAT, _chat(messages=[{"role": "user", "content": "x"}] * 4097), 400,
+     "messages", "invalid_value"),
+    ("too_many_tools", _CHAT, _chat(tools=[_TOOL] * 129), 400, "tools", "invalid_value"),
+    ("a_prompt_of_4m_characters", _COMPLETIONS, _completion(prompt="word " * 800_000), 400,
+     "prompt", "context_length_exceeded"),
 )
 
 class BadInputTest(server_test.ServerTestBase):

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Mapping
 import tokenizers
 
 from mtpjax.errors import ConversionError
+from mtpjax.gguf.prompt_tokens import BoundedEncoder, PromptTooLong
 
 # Private-use code points (the BMP's, then plane 15's): no tokenizer, template or language
 # gives them a meaning.
@@ -71,19 +72,27 @@ class RequestText:
     """Rendered text as the model reads it (marks removed)."""
     return text if self.mark is None else text.replace(self.mark, "")
 
-  def encode(self, text: str) -> list[int]:
+  def encode(self, text: str, limit: int | None = None) -> list[int]:
     """Token ids of rendered `text`: unmarked control-token texts are control tokens, the rest
-    (marked request text included) is plain text."""
+    (marked request text included) is plain text; PromptTooLong past `limit` ids."""
     control = self.control
     if self.mark is None:
-      return control.encode(text)
+      return control.encode(text, limit)
     ids: list[int] = []
     start = 0
-    for match in control.pattern.finditer(text):
-      ids += control.encode_plain(self.plain(text[start:match.start()]))
-      ids.append(control.ids[match[0]])
-      start = match.end()
-    return ids + control.encode_plain(self.plain(text[start:]))
+    for match in [*control.pattern.finditer(text), None]:
+      end = len(text) if match is None else match.start()
+      left = None if limit is None else max(limit - len(ids), 0)
+      try:
+        ids += control.encode_plain(self.plain(text[start:end]), left)
+      except PromptTooLong as e:
+        raise PromptTooLong(len(ids) + e.at_least, limit) from None
+      if match is not None:
+        ids.append(control.ids[match[0]])
+        start = match.end()
+    if limit is not None and len(ids) > limit:
+      raise PromptTooLong(len(ids), limit)
+    return ids
 
 
 class ControlTokens:
@@ -98,16 +107,20 @@ class ControlTokens:
                                        sorted(ids, key=len, reverse=True)) or r"(?!)")
 
   @functools.cached_property
-  def _plain(self) -> tokenizers.Tokenizer:
-    return plain_text_tokenizer(self.hf_tokenizer)
+  def _matched(self) -> BoundedEncoder:
+    return BoundedEncoder(self.hf_tokenizer)
 
-  def encode(self, text: str) -> list[int]:
-    """Ids of `text`, control-token texts matched (`encode_batch` releases the GIL)."""
-    return self.hf_tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+  @functools.cached_property
+  def _plain(self) -> BoundedEncoder:
+    return BoundedEncoder(plain_text_tokenizer(self.hf_tokenizer))
 
-  def encode_plain(self, text: str) -> list[int]:
+  def encode(self, text: str, limit: int | None = None) -> list[int]:
+    """Ids of `text`, control-token texts matched; PromptTooLong past `limit` ids."""
+    return self._matched.encode(text, limit)
+
+  def encode_plain(self, text: str, limit: int | None = None) -> list[int]:
     """Ids of `text` with control-token texts read as ordinary text."""
-    return self._plain.encode_batch([text], add_special_tokens=False)[0].ids if text else []
+    return self._plain.encode(text, limit)
 
   def render(self, template: Any, messages: Any, *, tools: Any = None,
              template_vars: Mapping[str, Any] | None = None, also: Iterable[Any] = ()

@@ -28,6 +28,7 @@ from mtpjax.engine.contract import EngineConfig
 from mtpjax.engine.scheduler import Request
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.gguf.control_tokens import RequestText
+from mtpjax.gguf.prompt_tokens import PromptTooLong
 from mtpjax.gguf.tokenizer import GgufTokenizer
 from mtpjax.runtime_options import GenerationSettings
 from mtpjax.server import logprobs as logprob_format
@@ -220,15 +221,27 @@ class _Routes:
       raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
                      param=param, code="invalid_value")
 
+  def _too_long(self, tokens: str, param: str) -> ApiError:
+    s = self.service
+    return ApiError(400, f"the prompt has {tokens} tokens but this server's context holds at "
+                    f"most {s.max_prompt_tokens} prompt tokens (engine.max_len {s.max_len}); "
+                    "shorten the prompt", param=param, code="context_length_exceeded")
+
+  async def _encode(self, text: str, param: str, size: int, request: RequestText | None = None
+                    ) -> list[int]:
+    """Ids of a prompt, refused as soon as it is seen to be over the context."""
+    try:
+      return await self.service.prompts.encode(text, request, size=size,
+                                               limit=self.service.max_prompt_tokens)
+    except PromptTooLong as e:
+      raise self._too_long(f"at least {e.at_least}", param) from None
+
   def _job(self, body: schemas._GenerationRequest, prompt_ids: list[int], *, budget: int | None,
            budget_param: str, stop_ids: frozenset[int], prompt_param: str) -> _Job:
     s = self.service
     n = len(prompt_ids)
     if n > s.max_prompt_tokens:
-      raise ApiError(400, f"the prompt has {n} tokens but this server's context holds at most "
-                     f"{s.max_prompt_tokens} prompt tokens (engine.max_len {s.max_len}); "
-                     "shorten the prompt",
-                     param=prompt_param, code="context_length_exceeded")
+      raise self._too_long(str(n), prompt_param)
     room = s.max_len - n
     if budget is None:
       budget = min(s.defaults.max_new_tokens, room)
@@ -268,7 +281,7 @@ class _Routes:
     self._check_model(body.model)
     prompt = body.prompt_input()
     if isinstance(prompt, str):
-      ids = await self.service.prompts.encode(prompt)
+      ids = await self._encode(prompt, "prompt", body.body_bytes)
     else:
       ids = list(prompt)
       self._check_ids(ids, "prompt")
@@ -282,7 +295,7 @@ class _Routes:
     try:
       return await self.service.prompts.render([m.template_dict() for m in body.messages],
                                                body.chat_template_kwargs or {}, tools,
-                                               also=(function,))
+                                               also=(function,), size=body.body_bytes)
     except errors.MtpjaxError as e:
       over = isinstance(e.__cause__, TemplateBudgetExceeded)
       raise ApiError(400, e.message, param="messages",
@@ -302,8 +315,8 @@ class _Routes:
     suffix = forced_call_prefix(text, function)
     output = ChatOutput(thinking=reasoning.prompt_opens_thinking(text), tools=tools,
                         forced_prefix=suffix)
-    ids = await self.service.prompts.encode(
-        marked + forced_call_prefix(text, request(function)), request)
+    ids = await self._encode(marked + forced_call_prefix(text, request(function)), "messages",
+                             body.body_bytes, request)
     if not ids:
       raise ApiError(400, "the messages render to an empty prompt", param="messages")
     budget_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"

@@ -14,7 +14,7 @@ import json
 from typing import Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from mtpjax.engine.sampling import MAX_TOP_LOGPROBS
 
@@ -27,6 +27,10 @@ RATE_LIMIT = "rate_limit_error"
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+# A conversation's validation time grows with its messages (100,000 took ~2 s on the event
+# loop); OpenAI caps tools at 128.
+MAX_MESSAGES = 4096
+MAX_TOOLS = 128
 
 
 class ApiError(Exception):
@@ -75,6 +79,12 @@ class _GenerationRequest(_Strict):
   stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM
   n: int | None = Field(default=None, ge=1)
   stream: bool = False
+  _body_bytes: int = PrivateAttr(default=0)
+
+  @property
+  def body_bytes(self) -> int:
+    """The size of the JSON body the request came in (prompt work is scheduled by it)."""
+    return self._body_bytes
   stream_options: StreamOptions | None = None
   user: str | None = None
   # Defined by OpenAI, not implemented: only the neutral value is accepted (see `check`).
@@ -223,11 +233,11 @@ class NamedToolChoice(_Strict):
 
 
 class ChatCompletionRequest(_GenerationRequest):
-  messages: list[ChatMessage] = Field(min_length=1)
+  messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
   max_completion_tokens: int | None = Field(default=None, ge=1)
   logprobs: bool = False
   top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-  tools: list[Tool] | None = None
+  tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
   tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
   parallel_tool_calls: bool | None = None
   response_format: dict[str, Any] | None = None
@@ -314,4 +324,5 @@ def parse_body(model: type[_GenerationRequest], body: bytes) -> _GenerationReque
     raise ApiError(400, message, param=param,
                    code="missing_field" if first["type"] == "missing" else "invalid_value") from None
   request.check()
+  request._body_bytes = len(body)
   return request
