@@ -17,6 +17,7 @@ dead conversions are removed first (`mtpjax.staging`).
 
 from __future__ import annotations
 
+import math
 import pathlib
 import shutil
 import sys
@@ -25,7 +26,7 @@ from absl import app, flags
 from tqdm import tqdm
 
 import mtpjax
-from mtpjax import checkpoint, errors, loading, staging
+from mtpjax import checkpoint, disk_space, errors, loading, staging
 from mtpjax.models.registry import config_from_gguf
 from mtpjax.package import planning
 from mtpjax.package.reader import open_source
@@ -45,41 +46,53 @@ def convert(src, out_dir, *, dtype: str = "float32", weights: str = "quantized",
     cfg = config_from_gguf(source.metadata, source.tensors, source=str(source.path))
     plan = planning.plan_stages(source.layer_count, stages)
     total = sum(info.n_bytes for info in source.tensors.values())
+    needed = _checkpoint_bytes(source, weights, dtype)
+    disk_space.check_room(out_dir, needed, what="the checkpoint")
     tmp = staging.make_staging_dir(out_dir)
-    try:
-      with tqdm(total=total, unit="B", unit_scale=True, desc="convert",
-                disable=not show_progress) as bar:
-        for name, layout in checkpoint.part_layouts(cfg).items():
-          keep = lambda path, name=name, layout=layout: (
-              checkpoint.part_of(path, layout)[0] == name)
-          _, _, leaves = loading.load_leaves(source, cfg, layout, dtype=dtype, weights=weights,
-                                             keep=keep, progress=bar.update)
-          checkpoint.save_part(tmp, name, {checkpoint.part_of(p, layout)[1]: a
-                                           for p, a in leaves.items()})
-          del leaves
-      checkpoint.write_record(tmp, {
-          "format_version": checkpoint.FORMAT_VERSION,
-          "mtpjax_version": mtpjax.__version__,
-          "dtype": dtype,
-          "weights": weights,
-          "model_config": cfg.to_dict(),
-          "metadata": source.metadata,
-          "source": {
-              "kind": source.kind, "path": str(source.path),
-              "manifest": None if source.manifest is None else source.manifest.raw,
-              "manifest_sha256": source.manifest_sha256,
-              "layer_count": source.layer_count,
-              "tensor_names": sorted(source.tensors),
-              "tensor_types": loading.tensor_types(source),
-          },
-          "stage_plan": [[s.layer_start, s.layer_end] for s in plan],
-          "parts": sorted(checkpoint.part_layouts(cfg)),
-      })
-      staging.replace_dir(tmp, out_dir)
-    except BaseException:
-      shutil.rmtree(tmp, ignore_errors=True)
-      raise
+    with disk_space.typed_when_full(out_dir, needed, what="the checkpoint"):
+      try:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="convert",
+                  disable=not show_progress) as bar:
+          for name, layout in checkpoint.part_layouts(cfg).items():
+            keep = lambda path, name=name, layout=layout: (
+                checkpoint.part_of(path, layout)[0] == name)
+            _, _, leaves = loading.load_leaves(source, cfg, layout, dtype=dtype, weights=weights,
+                                               keep=keep, progress=bar.update)
+            checkpoint.save_part(tmp, name, {checkpoint.part_of(p, layout)[1]: a
+                                             for p, a in leaves.items()})
+            del leaves
+        checkpoint.write_record(tmp, {
+            "format_version": checkpoint.FORMAT_VERSION,
+            "mtpjax_version": mtpjax.__version__,
+            "dtype": dtype,
+            "weights": weights,
+            "model_config": cfg.to_dict(),
+            "metadata": source.metadata,
+            "source": {
+                "kind": source.kind, "path": str(source.path),
+                "manifest": None if source.manifest is None else source.manifest.raw,
+                "manifest_sha256": source.manifest_sha256,
+                "layer_count": source.layer_count,
+                "tensor_names": sorted(source.tensors),
+                "tensor_types": loading.tensor_types(source),
+            },
+            "stage_plan": [[s.layer_start, s.layer_end] for s in plan],
+            "parts": sorted(checkpoint.part_layouts(cfg)),
+        })
+        staging.replace_dir(tmp, out_dir)
+      except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
   return out_dir
+
+
+def _checkpoint_bytes(source, weights: str, dtype: str) -> int:
+  """About what the checkpoint takes: the GGUF's bytes kept quantized (1.00-1.04x of them, as
+  docs/benchmarks.md measures), every element at `dtype`'s width dense."""
+  if weights == "quantized":
+    return sum(info.n_bytes for info in source.tensors.values()) * 105 // 100
+  width = 2 if dtype == "bfloat16" else 4
+  return sum(math.prod(info.ne) * width for info in source.tensors.values())
 
 
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],

@@ -73,6 +73,10 @@ class UnsupportedTensorTypeError(ConversionError):
   """A tensor uses a ggml type that cannot be dequantized here."""
 
 
+class DiskSpaceError(MtpjaxError):
+  """A write needs more disk space (or a larger file size limit) than there is."""
+
+
 class CheckpointError(MtpjaxError):
   """An orbax checkpoint is missing, incomplete or from another source."""
 

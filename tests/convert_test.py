@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 from absl.testing import absltest
 
 import mtpjax
-from mtpjax import checkpoint, errors, loading, sharding, staging
+from mtpjax import checkpoint, disk_space, errors, loading, sharding, staging
 from mtpjax.convert import convert
 from mtpjax.package.writer import split_gguf
 from mtpjax.testing.gguf_rewrite import rewrite_gguf
@@ -151,6 +151,37 @@ class FailureTest(absltest.TestCase):
     self.assertTrue(checkpoint.is_checkpoint(out))
     self.assertFalse((out / "stale.txt").exists())
     self.assertEqual(_leftovers(out), [])
+
+
+class DiskSpaceTest(absltest.TestCase):
+  """A conversion that runs out of disk gets one typed error naming the path and the bytes."""
+
+  def test_a_write_past_the_file_size_limit_is_a_typed_error(self):
+    """The process's file size limit (`ulimit -f`, EFBIG) stands in for a full disk (ENOSPC):
+    both reach orbax as the same failed write. Before, the CLI ended in orbax's untyped
+    ValueError under a ~350-line traceback."""
+    out = WORK / "full-out"
+    limited = ("import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, "
+               "signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); "
+               f"sys.argv = ['convert', {str(SRC)!r}, {str(out)!r}]; "
+               "runpy.run_module('mtpjax.convert', run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", limited], cwd=REPO, capture_output=True,
+                          text=True, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)))
+    self.assertEqual(done.returncode, 1, done.stderr[-2000:])
+    last = done.stderr.strip().splitlines()[-1]       # (orbax's own threads log theirs above)
+    self.assertRegex(last, r"^error: the disk ran out of space while writing the checkpoint, "
+                     r"which needs about [\d,]+ bytes \(File too large\)")
+    self.assertIn(f"file: {out};", last)
+    self.assertFalse(out.exists())
+    self.assertEqual(_leftovers(out), [])
+
+  def test_a_disk_without_room_is_refused_before_writing(self):
+    out = WORK / "no-room-out"
+    needed = shutil.disk_usage(WORK).free * 2 + 2**30
+    with self.assertRaisesRegex(errors.DiskSpaceError, f"needs about {needed:,} bytes") as ctx:
+      disk_space.check_room(out, needed, what="the checkpoint")
+    self.assertEqual(ctx.exception.path, str(out))
 
 
 def _dead_writer() -> str:

@@ -5,6 +5,7 @@ Every edit is made on a copy of the demo package at offsets located by gguf-py's
 checks under test are compared with an independent reader.
 """
 
+import os
 import pathlib
 
 import gguf
@@ -85,6 +86,21 @@ class IntegrityOnLoadTest(absltest.TestCase):
     package_mutations.rehash(self.root, LAYER)
     with self.assertRaisesRegex(errors.PackageError, "overlap"):
       _read_stage(self.root, 1)
+
+  def test_bytes_past_the_last_tensor_are_refused_before_hashing(self):
+    """8 GiB of sparse zeros appended to a layer, the manifest's size updated to match (its
+    hash left as it was): refused by the header's extent, not after hashing the hole."""
+    os.truncate(self.layer, 8 * 2**30)
+    manifest = package_mutations.read_manifest(self.root)
+    for entry in manifest["layers"]:
+      if entry["path"] == LAYER:
+        entry["artifact_bytes"] = 8 * 2**30
+    package_mutations.write_manifest(self.root, manifest)
+    with self.assertRaisesRegex(errors.IntegrityError, "past its last tensor's data") as ctx:
+      _read_stage(self.root, 1)
+    self.assertEqual(ctx.exception.path, str(self.layer))
+    with self.assertRaisesRegex(errors.IntegrityError, "past its last tensor's data"):
+      reader.open_source(self.root, verify="sha256")
 
   def test_metadata_artifact_is_hashed_at_open(self):
     metadata = self.root / "shared/metadata.gguf"

@@ -251,6 +251,13 @@ class _Walk:
       previous = extent
 
 
+def trailing_bytes(layout: HeaderLayout) -> int:
+  """How many bytes the file has past its last tensor's data and the alignment padding after
+  it, where a GGUF writer ends the file."""
+  end = max((t.start + t.n_bytes for t in layout.tensors), default=layout.data_offset)
+  return layout.file_bytes - -(-end // layout.alignment) * layout.alignment
+
+
 def walk_header(buffer, path: str | os.PathLike, *, payload_free: bool = False) -> HeaderLayout:
   """`check_header` over bytes already in memory (the carrier, hashed in the same read)."""
   if len(buffer) == 0:

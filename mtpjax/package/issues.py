@@ -106,6 +106,8 @@ REMEDIES: dict[str, str] = {
     "invalid_tensor_bytes": "tensor_count/tensor_bytes must describe the fragment; " + _RESPLIT,
     "invalid_artifact_sha256": "record the artifact's 64-hex SHA-256 in the manifest",
     "artifact_sha256_mismatch": "the file is corrupt: re-download it or " + _RESPLIT,
+    "artifact_trailing_bytes": "the file has bytes its GGUF header does not describe (appended "
+                               "or padded): re-download it or " + _RESPLIT,
     "artifact_sha256_unreadable": "make the file readable (permissions, I/O errors) and retry",
     # schema v2 (docs/LAYER_PACKAGES.md §10; codes are upstream's, the first two ours)
     "unknown_field": "schema v2 rejects fields it does not define: remove the field, or "
