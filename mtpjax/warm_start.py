@@ -8,9 +8,11 @@ loads the compiled executables instead. `config.compilation_cache = False` turns
 from __future__ import annotations
 
 import pathlib
+import warnings
 from typing import Any
 
 import jax
+from absl import logging
 
 from mtpjax import embedded
 
@@ -38,13 +40,18 @@ def enable_compilation_cache(config: Any) -> pathlib.Path | None:
 
 class CacheUse:
   """Counts the persistent-cache lookups of a span of this process (JAX's monitoring events),
-  so a start-up log says how many programs were compiled and how many came from the cache."""
+  so a start-up log says how many programs were compiled and how many came from the cache, and
+  the entries JAX could not read (a corrupted or truncated file: JAX compiles the program
+  again and says so only in a Python warning, easily lost; here each one is logged)."""
 
   _REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
   _HITS = "/jax/compilation_cache/cache_hits"
+  _UNREADABLE = "Error reading persistent compilation cache entry"
 
   def __init__(self):
     self.requests = self.hits = 0
+    self.unreadable: list[str] = []
+    self._warnings = warnings.catch_warnings(record=True)
 
   def _count(self, event: str, **_) -> None:
     if event == self._REQUESTS:
@@ -53,14 +60,26 @@ class CacheUse:
       self.hits += 1
 
   def __enter__(self) -> "CacheUse":
+    self._caught = self._warnings.__enter__()
+    warnings.simplefilter("always")
     jax.monitoring.register_event_listener(self._count)
     return self
 
   def __exit__(self, *exc) -> None:
     jax.monitoring.unregister_event_listener(self._count)
+    self._warnings.__exit__(*exc)
+    for caught in self._caught:
+      message = str(caught.message)
+      if message.startswith(self._UNREADABLE):
+        self.unreadable.append(message)
+        logging.warning("compilation cache: %s; compiled it again", message)
+      else:                             # not ours to swallow
+        warnings.warn_explicit(caught.message, caught.category, caught.filename, caught.lineno)
 
   def summary(self) -> str:
     if not self.requests:
       return "no compilation cache lookups (the cache is off)"
-    return (f"{self.requests - self.hits} programs compiled, {self.hits} loaded from the "
-            f"compilation cache")
+    unreadable = (f" ({len(self.unreadable)} failed cache reads, those programs compiled "
+                  "again)" if self.unreadable else "")
+    return (f"{self.requests - self.hits} programs compiled{unreadable}, {self.hits} loaded "
+            f"from the compilation cache")
