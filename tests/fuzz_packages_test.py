@@ -54,6 +54,20 @@ class FuzzPackagesTest(absltest.TestCase):
                       and result.outcome != "refused"], [])
 
 
+class FileKindTest(absltest.TestCase):
+  """The manifest or an artifact as a FIFO, a device node or a symlink out of the package: each
+  refused with a typed error, none blocking the reader (issue 52's acceptance)."""
+
+  def test_every_form_is_refused(self):
+    results = package_fuzz.run_cases(DEMO, range(SEED, SEED + 12), workers=2, timeout_s=60,
+                                     kinds=("file_kind",))
+    self.assertEqual([r for r in results if r.outcome != "refused"], [])
+    details = " ".join(result.mutation for result in results)
+    for form in ("fifo", "outside_symlink", "model-package.json"):
+      self.assertIn(form, details)
+    self.assertRegex(details, "device|/dev/zero")
+
+
 class FuzzV2PackageTest(absltest.TestCase):
   """The same mutators on a schema v2 package (the llama.cpp-made GLM fixture): its root, its
   payload artifacts and their headers are refused with typed errors too."""

@@ -21,7 +21,7 @@ import time
 from absl import app, flags
 
 import mtpjax
-from mtpjax.testing import package_fuzz
+from mtpjax.testing import package_fuzz, package_mutations
 
 _DEMO = pathlib.Path(mtpjax.__file__).resolve().parent / "assets" / "glm-demo"
 _CASES = flags.DEFINE_integer("cases", 1000, "number of mutated packages to try")
@@ -32,16 +32,23 @@ _TIMEOUT = flags.DEFINE_float("timeout_s", 60.0,
                               "per-case deadline from the mutation made; then it is a hang")
 _MEMORY_MB = flags.DEFINE_integer("memory_mb", 2048, "address space a case may add (RLIMIT_AS)")
 _SHOWN = flags.DEFINE_integer("show", 20, "failing cases listed in the report")
+_KINDS = flags.DEFINE_list("kinds", None, "mutation kinds to draw from (default: all of "
+                           "package_mutations.MUTATORS)")
 
 
 def main(argv):
   del argv
+  unknown = set(_KINDS.value or ()) - set(package_mutations.MUTATORS)
+  if unknown:
+    raise app.UsageError(f"--kinds: unknown {sorted(unknown)}; choose from "
+                         f"{sorted(package_mutations.MUTATORS)}")
   os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # children are forked
   logging.getLogger("gguf").setLevel(logging.WARNING)          # the writer logs every rewrite
   start = time.monotonic()
   results = package_fuzz.run_cases(_PACKAGE.value, range(_SEED.value, _SEED.value + _CASES.value),
                                    workers=_WORKERS.value, timeout_s=_TIMEOUT.value,
-                                   memory_bytes=_MEMORY_MB.value << 20)
+                                   memory_bytes=_MEMORY_MB.value << 20,
+                                   kinds=tuple(_KINDS.value) if _KINDS.value else None)
   counts = package_fuzz.counts(results)
   failing = [result for result in results if result.outcome in package_fuzz.FAILURES]
   print(json.dumps({

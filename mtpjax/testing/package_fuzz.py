@@ -123,11 +123,11 @@ def _address_space_bytes() -> int:
 
 
 def _child(conn, source: pathlib.Path, work: pathlib.Path, seed: int, memory_bytes: int,
-           tensor_names: list[str]) -> None:
+           tensor_names: list[str], kinds: tuple[str, ...] | None) -> None:
   try:
     shutil.copytree(source, work, dirs_exist_ok=True)
     manifest = package_mutations.read_manifest(work)
-    mutation = package_mutations.mutate(seed, work)
+    mutation = package_mutations.mutate(seed, work, kinds)
   except Exception as error:  # the harness failed, not the code under test
     conn.send(("harness_error", "", repr(error)))
     return
@@ -152,12 +152,13 @@ def _child(conn, source: pathlib.Path, work: pathlib.Path, seed: int, memory_byt
 
 
 class _Running:
-  def __init__(self, context, source, base, seed, memory_bytes, tensor_names, timeout_s):
+  def __init__(self, context, source, base, seed, memory_bytes, tensor_names, timeout_s,
+               kinds=None):
     self.seed = seed
     self.work = base / f"case-{seed}"
     self.conn, child_conn = context.Pipe(duplex=False)
     self.process = context.Process(target=_child, args=(child_conn, source, self.work, seed,
-                                                        memory_bytes, tensor_names))
+                                                        memory_bytes, tensor_names, kinds))
     self.process.start()
     child_conn.close()
     # The case's deadline runs from the mutation made: copying and editing the package is the
@@ -193,6 +194,8 @@ def _classify(running: _Running, reference: dict, timed_out: bool) -> CaseResult
   status, payload, detail = running.result
   if status != "ok":
     return CaseResult(running.seed, status, label, detail)
+  if mutation.get("must_refuse"):
+    return CaseResult(running.seed, "silent_change", label, "loaded what must be refused")
   changed = sorted(name for name, value in payload.items() if reference.get(name) != value)
   if not changed:
     return CaseResult(running.seed, "loaded", label)
@@ -201,8 +204,10 @@ def _classify(running: _Running, reference: dict, timed_out: bool) -> CaseResult
 
 
 def run_cases(source: str | os.PathLike, seeds, *, workers: int = 2, timeout_s: float = 30.0,
-              memory_bytes: int = 2 << 30) -> list[CaseResult]:
-  """Every seed's case, `workers` children at a time; results in seed order."""
+              memory_bytes: int = 2 << 30, kinds: tuple[str, ...] | None = None
+              ) -> list[CaseResult]:
+  """Every seed's case, `workers` children at a time (mutations of `kinds`, default all);
+  results in seed order."""
   source = pathlib.Path(source)
   reference = package_digests(source)
   package_mutations.warm_parse_cache(source)
@@ -215,7 +220,7 @@ def run_cases(source: str | os.PathLike, seeds, *, workers: int = 2, timeout_s: 
     while pending or active:
       while pending and len(active) < workers:
         active.append(_Running(context, source, pathlib.Path(base), pending.pop(), memory_bytes,
-                               tensor_names, timeout_s))
+                               tensor_names, timeout_s, kinds))
       multiprocessing.connection.wait([item.process.sentinel for item in active], timeout=0.05)
       for item in list(active):
         item.drain()

@@ -12,8 +12,11 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import pathlib
 import random
+import shutil
+import stat
 import struct
 from typing import Any, Callable
 
@@ -44,11 +47,13 @@ HOSTILE_METADATA = ((0, _VT.UINT32), (1, _VT.UINT32), (2**32 - 1, _VT.UINT32),
 @dataclasses.dataclass(frozen=True)
 class Mutation:
   """What a case changed; `rehashed` when the manifest re-records the edited file's size and
-  SHA-256 (a self-consistent rewrite rather than corruption), `target` the edited artifact."""
+  SHA-256 (a self-consistent rewrite rather than corruption), `target` the edited artifact
+  (None: the manifest or several)."""
   kind: str
   detail: str
   target: str | None = None
   rehashed: bool = False
+  must_refuse: bool = False        # loading it at all is a failure, whatever the bytes read
 
 
 # -- helpers over a package copy -----------------------------------------------------------------
@@ -368,6 +373,34 @@ def mutate_file_size(rng: random.Random, root: pathlib.Path) -> Mutation:
   return Mutation("file_size", f"{target}: now {len(data)} bytes", target, rehashed)
 
 
+def mutate_file_kind(rng: random.Random, root: pathlib.Path) -> Mutation:
+  """The manifest or an artifact replaced by what is not a regular file of the package: a
+  FIFO (opening it blocks), a character device (/dev/zero's numbers where this process may make
+  one, else a symlink to /dev/zero), or a symlink to an identical copy outside the package.
+  Each must be refused, before anything is opened that could block."""
+  manifest = read_manifest(root)
+  target = rng.choice([MANIFEST_NAME, *artifact_paths(manifest)])
+  path = root / target
+  form = rng.choice(("fifo", "device", "outside_symlink"))
+  if form == "outside_symlink":
+    outside = root.parent / f"{root.name}-outside-{path.name}"
+    shutil.copyfile(path, outside)
+    path.unlink()
+    path.symlink_to(outside)
+  else:
+    path.unlink()
+    if form == "fifo":
+      os.mkfifo(path)
+    else:
+      try:
+        os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(1, 5))
+      except PermissionError:
+        form = "symlink to /dev/zero"
+        path.symlink_to("/dev/zero")
+  return Mutation("file_kind", f"{target}: {form}", None if target == MANIFEST_NAME else target,
+                  must_refuse=True)
+
+
 MUTATORS: dict[str, Callable[[random.Random, pathlib.Path], Mutation]] = {
     "manifest_value": mutate_manifest_value,
     "manifest_layer_count": mutate_manifest_layer_count,
@@ -377,14 +410,16 @@ MUTATORS: dict[str, Callable[[random.Random, pathlib.Path], Mutation]] = {
     "metadata_value": mutate_metadata_value,
     "tensor_bytes": mutate_tensor_bytes,
     "file_size": mutate_file_size,
+    "file_kind": mutate_file_kind,
 }
 _WEIGHTS = {"manifest_value": 3, "manifest_layer_count": 1, "manifest_bytes": 1,
             "header_field": 4, "header_bytes": 2, "metadata_value": 3, "tensor_bytes": 2,
-            "file_size": 1}
+            "file_size": 1, "file_kind": 1}
 
 
-def mutate(seed: int, root: pathlib.Path) -> Mutation:
-  """One seeded mutation of the package copy at `root`."""
+def mutate(seed: int, root: pathlib.Path, kinds: tuple[str, ...] | None = None) -> Mutation:
+  """One seeded mutation of the package copy at `root` (of one of `kinds`, default all)."""
   rng = random.Random(seed)
-  kind = rng.choices(list(_WEIGHTS), weights=list(_WEIGHTS.values()))[0]
+  chosen = list(kinds or _WEIGHTS)
+  kind = rng.choices(chosen, weights=[_WEIGHTS[k] for k in chosen])[0]
   return MUTATORS[kind](rng, root)
