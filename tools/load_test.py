@@ -7,7 +7,9 @@ non-streaming request abandoned after a short timeout) and bad requests (each mu
 and seeded sampling are reproducible whatever the batch). Prints one JSON line: counts, p50/p99
 time to first token and latency, queue wait (time to first token beyond the same request's
 alone) and queue depth, /health latency, and the server's RSS growth after warm-up (with
---server_pid). Exits 1 on any lost or wrong answer or unexpected status.
+--server_pid). With `--hostile=N`, N attackers send the request-preparation attacks and idle
+and slowloris sockets press on the connection limits meanwhile (tools/hostile_clients.py): every
+attack must get its 4xx. Exits 1 on any lost or wrong answer or unexpected status.
 
   python -m mtpjax.serve --config=configs/glm.py --config.engine.slots=8 --config.server.port=0
   python -m tools.load_test --url=http://127.0.0.1:PORT --seconds=300 --concurrency=64 \
@@ -30,6 +32,8 @@ import time
 import httpx
 from absl import app, flags
 
+from tools import hostile_clients
+
 _URL = flags.DEFINE_string("url", None, "the server, e.g. http://127.0.0.1:8000", required=True)
 _SECONDS = flags.DEFINE_float("seconds", 60.0, "how long to drive the server")
 _CONCURRENCY = flags.DEFINE_integer("concurrency", 64, "clients sending at once")
@@ -37,6 +41,15 @@ _SERVER_PID = flags.DEFINE_integer("server_pid", 0, "the server's pid, for its R
 _SEED = flags.DEFINE_integer("seed", 0, "seed of the request mix")
 _WARM_UP = flags.DEFINE_float("warm_up_fraction", 0.2,
                               "RSS growth is measured from this fraction of the run on")
+_HOSTILE = flags.DEFINE_integer("hostile", 0, "attackers sending the request-preparation "
+                                "attacks beside the clients (tools/hostile_clients.py); 0: none")
+_TEMPLATE_ESCAPE = flags.DEFINE_string(
+    "template_escape", "", "with --hostile: message text that sends the served package's "
+    "template into its slow branch (tools/escape_package.py); empty: no template attack")
+_IDLE_SOCKETS = flags.DEFINE_integer("idle_sockets", 200,
+                                     "with --hostile: sockets held open without a request")
+_SLOW_SOCKETS = flags.DEFINE_integer("slow_sockets", 50, "with --hostile: sockets sending "
+                                     "header lines one a second (slowloris)")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 _WORDS = ("router", "expert", "token", "cache", "layer", "draft", "verify", "slot", "batch",
@@ -92,8 +105,8 @@ def _content(route: str, event: dict) -> str:
 
 
 async def _stream(http: httpx.AsyncClient, case: Case, leave_after_first: bool = False
-                  ) -> tuple[str, str | None, float | None, bool]:
-  """(text, finish_reason, seconds to first content, ended with [DONE])."""
+                  ) -> tuple[str, str | None, float | None, bool, int]:
+  """(text, finish_reason, seconds to first content, ended with [DONE], content events)."""
   started = time.perf_counter()
   text, reason, first, done = [], None, None, False
   async with http.stream("POST", case.route, json={**case.body, "stream": True}) as response:
@@ -115,7 +128,7 @@ async def _stream(http: httpx.AsyncClient, case: Case, leave_after_first: bool =
           break
       text.append(piece)
       reason = event["choices"][0]["finish_reason"] or reason
-  return "".join(text), reason, first, done
+  return "".join(text), reason, first, done, sum(1 for piece in text if piece)
 
 
 async def _whole(http: httpx.AsyncClient, case: Case) -> tuple[str, str]:
@@ -152,7 +165,7 @@ class _Run:
     self.rng = rng
     self.counts = collections.Counter()
     self.problems: list[str] = []
-    self.ttft, self.latency, self.queue_wait = [], [], []
+    self.ttft, self.latency, self.queue_wait, self.per_token = [], [], [], []
     self.queued = []
 
   def problem(self, kind: str, message: str) -> None:
@@ -183,7 +196,7 @@ class _Run:
         except asyncio.TimeoutError:
           self.counts["left_whole"] += 1
       elif roll < 0.60:
-        text, reason, first, done = await _stream(http, case)
+        text, reason, first, done, pieces = await _stream(http, case)
         self.latency.append(time.perf_counter() - started)
         if not done:
           self.problem("lost", f"stream without [DONE]: {case.body}")
@@ -191,6 +204,8 @@ class _Run:
         if first is not None:
           self.ttft.append(first)
           self.queue_wait.append(max(0.0, first - case.ttft_s))
+          if pieces > 1:
+            self.per_token.append((self.latency[-1] - first) / (pieces - 1))
         self.check(case, text, reason, "stream")
       else:
         text, reason = await _whole(http, case)
@@ -226,7 +241,7 @@ async def _alone(http: httpx.AsyncClient, cases: list[Case]) -> list[Case]:
   """Each case's answer and time to first token with nothing else running."""
   answered = []
   for case in cases:
-    text, reason, first, done = await _stream(http, case)
+    text, reason, first, done, _ = await _stream(http, case)
     whole = await _whole(http, case)
     if not done or whole != (text, reason):
       raise SystemExit(f"the server answers {case.body} differently streamed and whole: "
@@ -258,7 +273,12 @@ async def _main() -> dict:
     probe = subprocess.Popen([sys.executable, "-m", "tools.health_probe", url, "0.05"],
                              cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     probe.stdout.readline()                          # "probing"
-    await asyncio.gather(sample_rss(), run.sample_queue(url, until),
+    hostile = hostile_clients.Hostile(url, hostile_clients.attacks(model, _TEMPLATE_ESCAPE.value))
+    attackers = [hostile.attacker(i, until) for i in range(_HOSTILE.value)]
+    if _HOSTILE.value:
+      attackers += [hostile.idle_sockets(_IDLE_SOCKETS.value, until, slow=False),
+                    hostile.idle_sockets(_SLOW_SOCKETS.value, until, slow=True)]
+    await asyncio.gather(sample_rss(), run.sample_queue(url, until), *attackers,
                          *(run.client(http, until) for _ in range(_CONCURRENCY.value)))
     elapsed = time.monotonic() - started
     health = json.loads(probe.communicate("", timeout=60)[0].splitlines()[-1])
@@ -280,6 +300,8 @@ async def _main() -> dict:
       "unexpected_status": counts["unexpected_status"],
       "ttft_s": {"p50": _percentile(run.ttft, 0.5), "p99": _percentile(run.ttft, 0.99)},
       "latency_s": {"p50": _percentile(run.latency, 0.5), "p99": _percentile(run.latency, 0.99)},
+      "time_per_token_s": {"p50": _percentile(run.per_token, 0.5),
+                           "p99": _percentile(run.per_token, 0.99)},
       "queue_wait_s": {"p50": _percentile(run.queue_wait, 0.5),
                        "p99": _percentile(run.queue_wait, 0.99)},
       "queued": {"mean": sum(run.queued) / len(run.queued) if run.queued else None,
@@ -288,6 +310,7 @@ async def _main() -> dict:
       "rss_bytes": rss, "rss_growth_after_warm_up_pct": growth,
       "in_flight_after": idle.get("requests_in_flight"),
       "problems": run.problems,
+      "hostile": hostile.report() if _HOSTILE.value else None,
   }
 
 
@@ -296,7 +319,9 @@ def main(argv):
   logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per request otherwise
   report = asyncio.run(_main())
   print(json.dumps(report), flush=True)
-  if report["lost"] or report["wrong"] or report["unexpected_status"]:
+  attacks = (report["hostile"] or {}).get("counts", {})
+  if (report["lost"] or report["wrong"] or report["unexpected_status"]
+      or attacks.get("attack_lost") or attacks.get("attack_unexpected_status")):
     sys.exit(1)
 
 

@@ -7,7 +7,8 @@ cannot be stopped; a process can. So the server renders in children (`python -m
 mtpjax.gguf.template_process`, which imports jinja2 and this package's template code, not
 JAX): each request goes as one JSON line, the reply comes back as one, and a child that has
 not answered by the budget plus a grace period is killed and replaced. The children also cap
-their memory, so a template that builds a huge value fails instead of swapping the host.
+their memory, so a template that builds a huge value fails instead of swapping the host, and
+run at the lowest CPU priority.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ _PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 
 def grace_seconds(budget: TemplateBudget) -> float:
   """Time past the budget before a child is killed: its own clock usually stops the render
-  first, with a clear message; the kill is for a call its clock cannot interrupt."""
-  return max(1.0, budget.seconds)
+  first, with a clear message; the kill is for a call its clock cannot interrupt, and every
+  moment of grace is a moment a prompt thread is held."""
+  return max(0.25, budget.seconds / 4)
 
 
 class _Child:
@@ -96,9 +98,12 @@ class TemplateProcesses:
     budget = self.template.budget
     reply = child.ask(request, budget.seconds + grace_seconds(budget))
     if reply is None:
+      died = child.process.poll()
       child.kill()
       self._idle.put(_Child(self._setup))
-      raise self.template._error(
+      if died is not None:
+        raise self.template.error(f"the chat template's render process died (exit code {died})")
+      raise self.template.error(
           "chat template raised an error: the chat template ran past its time budget of "
           f"{budget.seconds:g} s (server.template_timeout_s) and was stopped"
       ) from TemplateBudgetExceeded("killed at the deadline")
@@ -106,7 +111,7 @@ class TemplateProcesses:
     if "text" in reply:
       return reply["text"]
     cause = TemplateBudgetExceeded(reply["error"]) if reply["over_budget"] else None
-    raise self.template._error(reply["error"]) from cause
+    raise self.template.error(reply["error"]) from cause
 
   def close(self) -> None:
     while not self._idle.empty():
@@ -118,8 +123,10 @@ def _line(value: Any) -> bytes:
 
 
 def _serve(stdin, stdout) -> None:
-  """The child: one setup line, then a reply line for each request line."""
+  """The child: one setup line, then a reply line for each request line. It runs at the
+  lowest CPU priority: a render past its budget must not take a core from the engine."""
   resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
+  os.nice(19)
   setup = json.loads(stdin.readline())
   template = BudgetedChatTemplate(
       setup["source"], bos_token=setup["bos_token"], eos_token=setup["eos_token"],

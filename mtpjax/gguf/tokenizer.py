@@ -317,7 +317,7 @@ class ChatTemplate:
     try:
       self._template = self._compile(self.source)
     except jinja2.TemplateError as e:
-      raise self._error(f"chat template does not compile: {e}") from e
+      raise self.error(f"chat template does not compile: {e}") from e
 
   @staticmethod
   def environment(sandbox: type[ChatSandbox] = ChatSandbox, **options: Any) -> jinja2.Environment:
@@ -362,13 +362,15 @@ class ChatTemplate:
     try:
       return self._template.render(**variables)
     except jinja2.sandbox.SecurityError as e:
-      raise self._error(f"chat template attempted an unsafe operation: {e}") from e
+      raise self.error(f"chat template attempted an unsafe operation: {e}") from e
     except jinja2.TemplateError as e:
-      raise self._error(f"chat template raised an error: {e.message}") from e
+      raise self.error(f"chat template raised an error: {e.message}") from e
     except Exception as e:  # an untrusted template can fail in any way (1/0, 'a' + 1, ...)
-      raise self._error(f"chat template failed: {type(e).__name__}: {e}") from e
+      raise self.error(f"chat template failed: {type(e).__name__}: {e}") from e
 
-  def _error(self, message: str) -> ConversionError:
+  def error(self, message: str) -> ConversionError:
+    """The typed error a render failure raises (also for renders made elsewhere, e.g. in a
+    child process: `gguf/template_process`)."""
     return ConversionError(message, path=self.path, field=CHAT_TEMPLATE_KEY,
                            remedy="check the request's messages, or replace the GGUF's chat "
                            "template with a trusted one")

@@ -2,12 +2,12 @@
 
 Both can take long on hostile input (a huge message, a template that loops), and the event
 loop must keep answering /health and streaming tokens meanwhile. They run on small thread
-pools (requests up to 64 KiB on their own thread, so large prompts cannot hold up short ones);
-a prompt is tokenized with a bound on the work (`gguf/prompt_tokens`), and tokenization goes through `encode_batch`, which releases the GIL while the Rust tokenizer
-works (plain `encode` holds it: a 1 MB prompt stalled every other thread for ~0.6 s), and
-templates render under their budget in child processes killed at its end
-(`gguf/template_process`). A chat's request text never becomes control tokens
-(`gguf/control_tokens`).
+pools, requests up to 64 KiB on threads of their own so that large prompts cannot hold up short
+ones. A prompt is tokenized with a bound on the work (`gguf/prompt_tokens`) through
+`encode_batch`, which releases the GIL while the Rust tokenizer works (plain `encode` holds it:
+a 1 MB prompt stalled every other thread for ~0.6 s); templates render under their budget in
+child processes killed at its end (`gguf/template_process`); and a chat's request text never
+becomes control tokens (`gguf/control_tokens`).
 """
 
 from __future__ import annotations
@@ -26,19 +26,19 @@ SMALL_REQUEST_BYTES = 64 * 2**10
 
 class PromptBuilder:
   """Turns prompt text or chat messages into token ids on `workers` threads for large requests
-  and one for small ones."""
+  and as many for small ones."""
 
   def __init__(self, tokenizer: GgufTokenizer, template: BudgetedChatTemplate, workers: int = 2):
     self.tokenizer = tokenizer
-    self.template = TemplateProcesses(template, workers + 1)     # one child per thread
+    self.template = TemplateProcesses(template, 2 * workers)     # one child per thread
     self._large = concurrent.futures.ThreadPoolExecutor(workers,
                                                         thread_name_prefix="mtpjax-prompt")
-    self._small = concurrent.futures.ThreadPoolExecutor(1,
+    self._small = concurrent.futures.ThreadPoolExecutor(workers,
                                                         thread_name_prefix="mtpjax-prompt-small")
 
   def _run(self, size: int, fn, *args):
-    """`fn(*args)` on a prompt thread: requests of up to SMALL_REQUEST_BYTES have their own,
-    so a short chat never queues behind large prompts."""
+    """`fn(*args)` on a prompt thread: requests of up to SMALL_REQUEST_BYTES have their own
+    threads, so a short chat never queues behind large prompts."""
     pool = self._small if size <= SMALL_REQUEST_BYTES else self._large
     return asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
