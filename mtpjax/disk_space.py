@@ -54,17 +54,19 @@ def ran_out(exc: BaseException) -> int | None:
 
 
 @contextlib.contextmanager
-def typed_when_full(target: str | os.PathLike, needed: int, *, what: str) -> Iterator[None]:
+def typed_when_full(target: str | os.PathLike, needed: int | None, *, what: str
+                    ) -> Iterator[None]:
   """Runs a write; one that runs out of space raises DiskSpaceError instead of the writer's
-  own error."""
+  own error (`needed`: the bytes the write takes, if known)."""
   try:
     yield
   except Exception as exc:
     code = ran_out(exc)
     if code is None:
       raise
+    size = "" if needed is None else f", which needs about {needed:,} bytes"
     raise errors.DiskSpaceError(
-        f"the disk ran out of space while writing {what}, which needs about {needed:,} bytes "
-        f"({os.strerror(code)})", path=str(target),
+        f"the disk ran out of space while writing {what}{size} ({os.strerror(code)})",
+        path=str(target),
         remedy="free disk space, raise the file size limit (ulimit -f) or write to another "
         "disk") from None

@@ -42,15 +42,18 @@ class CacheUse:
   """Counts the persistent-cache lookups of a span of this process (JAX's monitoring events),
   so a start-up log says how many programs were compiled and how many came from the cache, and
   the entries JAX could not read (a corrupted or truncated file: JAX compiles the program
-  again and says so only in a Python warning, easily lost; here each one is logged)."""
+  again and says so only in a Python warning, easily lost) or write (a full disk); here each
+  one is logged."""
 
   _REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
   _HITS = "/jax/compilation_cache/cache_hits"
   _UNREADABLE = "Error reading persistent compilation cache entry"
+  _UNWRITTEN = "Error writing persistent compilation cache entry"   # e.g. a full disk
 
   def __init__(self):
     self.requests = self.hits = 0
     self.unreadable: list[str] = []
+    self.unwritten: list[str] = []
     self._warnings = warnings.catch_warnings(record=True)
 
   def _count(self, event: str, **_) -> None:
@@ -73,6 +76,9 @@ class CacheUse:
       if message.startswith(self._UNREADABLE):
         self.unreadable.append(message)
         logging.warning("compilation cache: %s; compiled it again", message)
+      elif message.startswith(self._UNWRITTEN):
+        self.unwritten.append(message)
+        logging.warning("compilation cache: %s; the next start compiles it again", message)
       else:                             # not ours to swallow
         warnings.warn_explicit(caught.message, caught.category, caught.filename, caught.lineno)
 
@@ -81,5 +87,7 @@ class CacheUse:
       return "no compilation cache lookups (the cache is off)"
     unreadable = (f" ({len(self.unreadable)} failed cache reads, those programs compiled "
                   "again)" if self.unreadable else "")
+    unwritten = (f"; {len(self.unwritten)} could not be written to the cache"
+                 if self.unwritten else "")
     return (f"{self.requests - self.hits} programs compiled{unreadable}, {self.hits} loaded "
-            f"from the compilation cache")
+            f"from the compilation cache{unwritten}")

@@ -176,6 +176,23 @@ class DiskSpaceTest(absltest.TestCase):
     self.assertFalse(out.exists())
     self.assertEqual(_leftovers(out), [])
 
+  def test_a_full_cache_disk_is_a_typed_error(self):
+    """The embedded tiny package built into a cache whose writes fail (the same stand-in):
+    before, an untyped OSError from the GGUF writer."""
+    cache = tempfile.mkdtemp(dir=WORK)
+    limited = ("import resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); "
+               "from mtpjax import errors; from mtpjax.testing import embedded_tiny\n"
+               f"try:\n  embedded_tiny.embedded_package_dir({cache!r})\n"
+               "except errors.DiskSpaceError as e:\n  print('typed:', e)")
+    done = subprocess.run([sys.executable, "-c", limited], cwd=REPO, capture_output=True,
+                          text=True, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)))
+    self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+    self.assertRegex(done.stdout, r"typed: the disk ran out of space while writing the "
+                     r"embedded tiny package \(File too large\)")
+    self.assertEqual(list(pathlib.Path(cache, "mtpjax").iterdir()), [])   # staging removed
+
   def test_a_disk_without_room_is_refused_before_writing(self):
     out = WORK / "no-room-out"
     needed = shutil.disk_usage(WORK).free * 2 + 2**30

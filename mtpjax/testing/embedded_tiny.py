@@ -17,7 +17,7 @@ import tempfile
 
 from absl import logging
 
-from mtpjax import embedded, errors
+from mtpjax import disk_space, embedded, errors
 from mtpjax.gguf import tensors as gguf_tensors
 from mtpjax.gguf import tokenizer as gguf_tokenizer
 from mtpjax.package import gguf_kv, reader, writer
@@ -57,17 +57,18 @@ def embedded_package_dir(cache_dir: str | None = None,
                               path=str(root), field="cache_dir",
                               remedy="set --config.cache_dir to a writable folder") from e
   try:
-    logging.info("building the embedded tiny GLM package in %s (first run only)", final)
-    gguf_path = staging / "source" / "tiny-glm.gguf"
-    gguf_path.parent.mkdir()
-    tiny_glm.write_tiny_glm_gguf(gguf_path, spec)
-    built = writer.split_gguf(gguf_path, staging / "package", model_id=EMBEDDED_MODEL_ID)
-    try:
-      built.rename(final)
-    except OSError:
-      if not (final / manifest_lib.MANIFEST_NAME).is_file():
-        raise                          # not a lost race: a real failure to install
-      logging.info("another process built %s first; using it", final)
+    with disk_space.typed_when_full(final, None, what="the embedded tiny package"):
+      logging.info("building the embedded tiny GLM package in %s (first run only)", final)
+      gguf_path = staging / "source" / "tiny-glm.gguf"
+      gguf_path.parent.mkdir()
+      tiny_glm.write_tiny_glm_gguf(gguf_path, spec)
+      built = writer.split_gguf(gguf_path, staging / "package", model_id=EMBEDDED_MODEL_ID)
+      try:
+        built.rename(final)
+      except OSError:
+        if not (final / manifest_lib.MANIFEST_NAME).is_file():
+          raise                          # not a lost race: a real failure to install
+        logging.info("another process built %s first; using it", final)
   finally:
     shutil.rmtree(staging, ignore_errors=True)
   return final
