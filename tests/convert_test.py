@@ -153,6 +153,16 @@ class FailureTest(absltest.TestCase):
     self.assertEqual(_leftovers(out), [])
 
 
+def _with_small_file_limit(code: str) -> subprocess.CompletedProcess:
+  """`code` run in a child whose files cannot grow past 4 KiB (a write past it fails with
+  EFBIG instead of killing the child)."""
+  limit = ("import resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+           "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n")
+  return subprocess.run([sys.executable, "-c", limit + code], cwd=REPO, capture_output=True,
+                        text=True, timeout=300,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)))
+
+
 class DiskSpaceTest(absltest.TestCase):
   """A conversion that runs out of disk gets one typed error naming the path and the bytes."""
 
@@ -161,13 +171,9 @@ class DiskSpaceTest(absltest.TestCase):
     both reach orbax as the same failed write. Before, the CLI ended in orbax's untyped
     ValueError under a ~350-line traceback."""
     out = WORK / "full-out"
-    limited = ("import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, "
-               "signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); "
-               f"sys.argv = ['convert', {str(SRC)!r}, {str(out)!r}]; "
-               "runpy.run_module('mtpjax.convert', run_name='__main__')")
-    done = subprocess.run([sys.executable, "-c", limited], cwd=REPO, capture_output=True,
-                          text=True, timeout=300,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)))
+    done = _with_small_file_limit(
+        f"import runpy, sys; sys.argv = ['convert', {str(SRC)!r}, {str(out)!r}]; "
+        "runpy.run_module('mtpjax.convert', run_name='__main__')")
     self.assertEqual(done.returncode, 1, done.stderr[-2000:])
     last = done.stderr.strip().splitlines()[-1]       # (orbax's own threads log theirs above)
     self.assertRegex(last, r"^error: the disk ran out of space while writing the checkpoint, "
@@ -180,14 +186,10 @@ class DiskSpaceTest(absltest.TestCase):
     """The embedded tiny package built into a cache whose writes fail (the same stand-in):
     before, an untyped OSError from the GGUF writer."""
     cache = tempfile.mkdtemp(dir=WORK)
-    limited = ("import resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
-               "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); "
-               "from mtpjax import errors; from mtpjax.testing import embedded_tiny\n"
-               f"try:\n  embedded_tiny.embedded_package_dir({cache!r})\n"
-               "except errors.DiskSpaceError as e:\n  print('typed:', e)")
-    done = subprocess.run([sys.executable, "-c", limited], cwd=REPO, capture_output=True,
-                          text=True, timeout=300,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)))
+    done = _with_small_file_limit(
+        "from mtpjax import errors; from mtpjax.testing import embedded_tiny\n"
+        f"try:\n  embedded_tiny.embedded_package_dir({cache!r})\n"
+        "except errors.DiskSpaceError as e:\n  print('typed:', e)")
     self.assertEqual(done.returncode, 0, done.stderr[-2000:])
     self.assertRegex(done.stdout, r"typed: the disk ran out of space while writing the "
                      r"embedded tiny package \(File too large\)")
