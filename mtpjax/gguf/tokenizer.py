@@ -249,7 +249,7 @@ class GgufTokenizer:
   def encode(self, text: str) -> list[int]:
     """Token ids of `text`; special-token text inside it is matched whole. No BOS is added:
     GLM templates write `[gMASK]<sop>` themselves."""
-    return self.hf_tokenizer.encode(text, add_special_tokens=False).ids
+    return self.control.encode(text)
 
   @functools.cached_property
   def control(self) -> ControlTokens:
