@@ -75,7 +75,8 @@ class Hostile:
   async def idle_sockets(self, count: int, until: float, slow: bool) -> None:
     """`count` sockets that never finish a request (slow: a header line every second),
     reopened whenever the server closes one."""
-    host, port = httpx.URL(self.url).host, httpx.URL(self.url).port
+    url = httpx.URL(self.url)
+    host, port = url.host, url.port
 
     async def hold() -> None:
       while time.monotonic() < until:

@@ -7,8 +7,8 @@ connection must deliver a request's headers within `server.header_timeout_s` of 
 its previous response), and the open connections are capped at `server.max_connections`: at
 the cap, a new connection closes the one that has waited longest without a request in
 progress, so idle sockets cannot lock out new clients; only when every connection is serving
-a request is the newcomer turned away with 503. A request's body has the same deadline
-(`guards.RequestGuards`).
+a request is the newcomer turned away with 503. A request's body has a deadline of its own,
+`server.body_timeout_s` (`guards.RequestGuards`).
 """
 
 from __future__ import annotations
