@@ -27,6 +27,8 @@ _BENIGN = ("[gMASK]<sop>{% for m in messages %}<|{{ m.role }}|>\n{{ m.content|tr
            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 # Every stop must come within the budget, the grace period and the machine's slack.
 _DEADLINE_S = _BUDGET.seconds + grace_seconds(_BUDGET) + 3.0
+# Where a test checks what a render gives, not when it stops: room for a loaded host.
+_ROOMY_BUDGET = TemplateBudget(seconds=30.0, max_chars=4 * 2**20)
 
 
 class TemplateProcessTest(parameterized.TestCase):
@@ -66,7 +68,7 @@ class TemplateProcessTest(parameterized.TestCase):
     self.assertIn("server.template_timeout_s", raised.exception.message)
 
   def test_a_benign_template_renders_as_in_process(self):
-    template = BudgetedChatTemplate(_BENIGN, budget=_BUDGET)
+    template = BudgetedChatTemplate(_BENIGN, budget=_ROOMY_BUDGET)
     processes = TemplateProcesses(template, workers=2)
     self.addCleanup(processes.close)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"q": "\ud800 é"}}}]
@@ -76,6 +78,17 @@ class TemplateProcessTest(parameterized.TestCase):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
       rendered = list(pool.map(lambda case: processes.render(**case), cases * 4))
     self.assertEqual(rendered, [template.render(**case) for case in cases] * 4)
+
+  def test_start_up_is_not_charged_to_the_first_render(self):
+    # A template that takes longer to compile than the render deadline but renders at once.
+    source = "".join("{%% if messages %%}%d{%% endif %%}" % i for i in range(20000))
+    budget = TemplateBudget(seconds=0.05, max_chars=4 * 2**20)
+    started = time.monotonic()
+    template = BudgetedChatTemplate(source, budget=budget)
+    self.assertGreater(time.monotonic() - started, budget.seconds + grace_seconds(budget))
+    processes = TemplateProcesses(template, workers=1)
+    self.addCleanup(processes.close)
+    self.assertEqual(processes.render(_MESSAGES), template.render(_MESSAGES))
 
   def test_template_errors_keep_their_meaning(self):
     template = BudgetedChatTemplate("{{ raise_exception('no system role') }}", budget=_BUDGET)

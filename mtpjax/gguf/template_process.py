@@ -6,9 +6,10 @@ ran for 18-120 s against a 1 s budget, holding a server's prompt thread all alon
 cannot be stopped; a process can. So the server renders in children (`python -m
 mtpjax.gguf.template_process`, which imports jinja2 and this package's template code, not
 JAX): each request goes as one JSON line, the reply comes back as one, and a child that has
-not answered by the budget plus a grace period is killed and replaced. The children also cap
-their memory, so a template that builds a huge value fails instead of swapping the host, and
-run at the lowest CPU priority.
+not answered by the budget plus a grace period is killed and replaced. A child's start-up
+(interpreter, imports, compiling the template) is not charged to the first render's budget: it
+says when it is ready. The children also cap their memory, so a template that builds a huge
+value fails instead of swapping the host, and run below the engine's CPU priority.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ from mtpjax.gguf.template_budget import BudgetedChatTemplate, TemplateBudget, Te
 
 # A child's address space: the interpreter, jinja2 and tokenizers, plus room for big renders.
 MEMORY_LIMIT_BYTES = 4 * 2**30
+# A child's start-up on a loaded host (interpreter, jinja2, the template's compile).
+STARTUP_TIMEOUT_S = 60.0
+# Below the engine, not the lowest: at nice 19 a busy CPU engine starved benign renders of
+# milliseconds past a budget of seconds.
+CHILD_NICENESS = 5
 _PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 
 
@@ -47,8 +53,15 @@ class _Child:
     self.process = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, env=env)
     self._pending = b""
+    self._ready = False
     self.process.stdin.write(setup)
     self.process.stdin.flush()
+
+  def ready(self) -> bool:
+    """Whether the child has finished starting (waiting up to STARTUP_TIMEOUT_S once)."""
+    if not self._ready:
+      self._ready = self._reply(STARTUP_TIMEOUT_S) is not None
+    return self._ready
 
   def ask(self, line: bytes, timeout_s: float) -> dict[str, Any] | None:
     """The child's reply to `line`, or None if it died or did not answer in time."""
@@ -57,6 +70,9 @@ class _Child:
       self.process.stdin.flush()
     except OSError:
       return None
+    return self._reply(timeout_s)
+
+  def _reply(self, timeout_s: float) -> dict[str, Any] | None:
     deadline = time.monotonic() + timeout_s
     fd = self.process.stdout.fileno()
     while b"\n" not in self._pending:
@@ -93,14 +109,16 @@ class TemplateProcesses:
   def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False,
              tools: Sequence[Mapping[str, Any]] | None = None, **template_vars: Any) -> str:
     child = self._idle.get()
+    if not child.ready():
+      died = self._replace(child)
+      raise self.template.error(f"the chat template's render process did not start within "
+                                f"{STARTUP_TIMEOUT_S:g} s (exit code {died})")
     request = _line({"messages": messages, "add_generation_prompt": add_generation_prompt,
                      "tools": tools, "template_vars": template_vars})
     budget = self.template.budget
     reply = child.ask(request, budget.seconds + grace_seconds(budget))
     if reply is None:
-      died = child.process.poll()
-      child.kill()
-      self._idle.put(_Child(self._setup))
+      died = self._replace(child)
       if died is not None:
         raise self.template.error(f"the chat template's render process died (exit code {died})")
       raise self.template.error(
@@ -113,6 +131,13 @@ class TemplateProcesses:
     cause = TemplateBudgetExceeded(reply["error"]) if reply["over_budget"] else None
     raise self.template.error(reply["error"]) from cause
 
+  def _replace(self, child: _Child) -> int | None:
+    """Kills `child` and starts another in its place; the exit code if it had died."""
+    died = child.process.poll()
+    child.kill()
+    self._idle.put(_Child(self._setup))
+    return died
+
   def close(self) -> None:
     while not self._idle.empty():
       self._idle.get().kill()
@@ -123,14 +148,17 @@ def _line(value: Any) -> bytes:
 
 
 def _serve(stdin, stdout) -> None:
-  """The child: one setup line, then a reply line for each request line. It runs at the
-  lowest CPU priority: a render past its budget must not take a core from the engine."""
+  """The child: one setup line answered by a ready line, then a reply line for each request
+  line. It runs below the engine's CPU priority: a render running out its budget should not
+  take a core from decoding."""
   resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
-  os.nice(19)
+  os.nice(CHILD_NICENESS)
   setup = json.loads(stdin.readline())
   template = BudgetedChatTemplate(
       setup["source"], bos_token=setup["bos_token"], eos_token=setup["eos_token"],
       budget=TemplateBudget(seconds=setup["seconds"], max_chars=setup["max_chars"]))
+  stdout.write(_line({"ready": True}))
+  stdout.flush()
   for line in stdin:
     request = json.loads(line)
     try:
