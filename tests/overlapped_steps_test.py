@@ -11,6 +11,8 @@ and logprobs as single steps, write no row past a request's budget and never run
 prompt is being prefilled.
 """
 
+import dataclasses
+import re
 import tempfile
 from pathlib import Path
 
@@ -20,8 +22,10 @@ from absl.testing import absltest, parameterized
 import mtpjax
 from mtpjax import errors
 from mtpjax.engine.contract import COUNT, burst_rows, committed_tokens
+from mtpjax.engine.drafting_policy import AdaptiveDrafting
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.engine.scheduler import Request, SlotScheduler
+from mtpjax.telemetry import MtpStats
 from mtpjax.testing.tiny_glm import TinyGlmSpec, write_tiny_glm_gguf
 
 MAX_LEN = 48
@@ -38,6 +42,7 @@ class RecordingEngine:
     self.events: list[tuple[str, int]] = []       # ("launch" | "collect", step number)
     self.rows: dict[int, int] = {}                # id(request) -> rows launched for it
     self.bursts: list[tuple[int, bool]] = []      # each launch's (decode_steps, prefilling)
+    self.fixed: list[bool] = []                   # each launch's `PendingStep.fixed`
     self.scheduler: SlotScheduler | None = None
 
   def __getattr__(self, name):
@@ -52,11 +57,12 @@ class RecordingEngine:
       request = self.scheduler.slots[slot].request
       self.rows[id(request)] = self.rows.get(id(request), 0) + burst
     state, pending = self.engine.launch(state, active, *args, **kwargs)
+    self.fixed.append(pending.fixed)
 
     def collect():
       self.events.append(("collect", number))
       return pending.collect()
-    return state, type(pending)(collect)
+    return state, dataclasses.replace(pending, collect=collect)
 
 
 class TinyModelTest(parameterized.TestCase):
@@ -76,11 +82,11 @@ class TinyModelTest(parameterized.TestCase):
     super().tearDownClass()
 
   @classmethod
-  def serve_on(cls, engine, overlapping: bool = True):
+  def serve_on(cls, engine, overlapping: bool = True, **scheduler_kwargs):
     """The class's requests served on `engine`: (results, the recording); every page is free
     after."""
     recording = RecordingEngine(engine, overlapping)
-    recording.scheduler = SlotScheduler(recording)
+    recording.scheduler = SlotScheduler(recording, **scheduler_kwargs)
     results = recording.scheduler.run(cls.requests)
     pages = recording.scheduler.state.pages
     assert (pages.free_pages, pages.reserved) == (POOL, 0), "pages left held"
@@ -130,10 +136,13 @@ class OverlappedStepsTest(TinyModelTest):
     seen.clear()
     cls.collected, cls.one_by_one = cls.serve_on(cls.engine, overlapping=False)
 
-  def test_the_engine_overlaps_steps_with_mtp_off_only(self):
+  def test_the_engine_overlaps_steps_unless_the_host_drafts(self):
     self.assertTrue(self.engine.overlapping)
-    self.assertFalse(self.model.engine(native_mtp=True, slots=SLOTS, max_len=MAX_LEN,
-                                       prefill_buckets=(16,)).overlapping)
+    # Native MTP's fixed steps (while no slot drafts) overlap: its drafts stay on the device.
+    self.assertTrue(self.model.engine(native_mtp=True, slots=SLOTS, max_len=MAX_LEN,
+                                      prefill_buckets=(16,)).overlapping)
+    self.assertFalse(self.model.engine(native_mtp=False, host_drafts=True, slots=SLOTS,
+                                       max_len=MAX_LEN, prefill_buckets=(16,)).overlapping)
 
   def test_steps_are_launched_before_the_last_one_is_collected(self):
     events = self.recorded.events
@@ -174,6 +183,76 @@ class OverlappedStepsTest(TinyModelTest):
       wasted = {"length": 0, "stop": 1, "cancelled": 1}[result.finish_reason]
       self.assertBetween(rows - (len(result.tokens) - 1), 0, wasted, f"request {i}")
       self.assertEqual(self.one_by_one.rows[id(request)], len(result.tokens) - 1)
+
+
+def _program(engine, kind: str) -> tuple[int, float, float]:
+  """A one-slot step's compiled program, by what it computes: (instructions, flops, bytes
+  accessed) as XLA counts them."""
+  state = engine.init_state()
+  group = state.groups[0]
+  active = np.ones(1, bool)
+  fns = engine._draft_steps[1] if kind == "verify_draft" else engine._steps[kind]
+  compiled = fns[0].lower(engine._leaves[0], None, state.kv[0], state.pages.table[:1],
+                          group.head if kind == "decode" else state.joined(group), active,
+                          active.astype(np.int32) if engine.engine_cfg.drafts else None,
+                          None, np.bool_(False)).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost    # a list of one on older jax
+  instructions = len(re.findall(r"\n\s+\S+ = ", compiled.as_text()))
+  return instructions, cost["flops"], cost["bytes accessed"]
+
+
+class PausedDraftingTest(TinyModelTest):
+  """Native MTP while no slot drafts: the step computes what MTP off's does (the NextN block
+  does not run; only the row's MTP inputs are recorded) and is launched before the last one
+  is collected, as MTP off's are; drafting resumed after pauses still gives MTP off's
+  tokens. References: MTP off's compiled step and outputs."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    settings = dict(slots=SLOTS, max_len=MAX_LEN, prefill_buckets=(16,), kv_pages=POOL,
+                    decode_steps=1, prefix_cache=0)
+    cls.on = cls.model.engine(native_mtp=True, **settings)
+    cls.off = cls.model.engine(native_mtp=False, **settings)
+    rng = np.random.default_rng(8)
+    cls.requests = [Request(prompt=rng.integers(0, 512, size=int(n)).astype(np.int32),
+                            max_new_tokens=b, sampler=SamplerParams(temperature=0.8 * (i % 2),
+                                                                    seed=i))
+                    for i, (n, b) in enumerate(zip((5, 12, 3, 9), (30, 14, 24, 9)))]
+    # Every slot pauses for 3 steps after each 2 verified drafts (no accept rate passes).
+    policy = AdaptiveDrafting(window=2, min_accept_rate=1.01, cooldown=3, max_backoff=1,
+                              cost_aware=False)
+    cls.results, cls.recorded = cls.serve_on(cls.on, cls.on.overlapping, adaptive=policy)
+    cls.reference = cls.serve_on(cls.off)[0]
+
+  def test_a_paused_step_computes_what_an_mtp_off_step_does(self):
+    off = _program(self.off, "decode")
+    # Over detached slots alone: MTP off's very program.
+    self.assertEqual(_program(self.on, "decode"), off)
+    # While drafting is paused: that program and the record of a row's MTP inputs.
+    paused = _program(self.on, "plain")
+    for measure, (ours, reference) in zip(("instructions", "flops", "bytes"), zip(paused, off)):
+      self.assertBetween(ours, reference, 1.05 * reference, measure)
+    self.assertGreater(_program(self.on, "verify_draft")[1], 1.3 * off[1])
+
+  def test_paused_steps_overlap_and_outputs_equal_mtp_off(self):
+    self.assertEqual([r.tokens for r in self.results], [r.tokens for r in self.reference])
+    self.assertEqual([r.finish_reason for r in self.results],
+                     [r.finish_reason for r in self.reference])
+    stats = MtpStats.total(r.stats for r in self.results)
+    self.assertBetween(stats.verifications, 1, stats.target_passes - 10)   # both kinds ran
+    # A step is launched while another computes only after a fixed one, and that happened.
+    in_flight, overlapped = set(), 0
+    for kind, number in self.recorded.events:
+      if kind == "collect":
+        in_flight.remove(number)
+        continue
+      self.assertTrue(all(self.recorded.fixed[n] for n in in_flight), f"step {number}")
+      overlapped += bool(in_flight)
+      in_flight.add(number)
+    self.assertGreater(overlapped, 5)
+    self.assertGreater(self.recorded.scheduler.overlap_fraction, 0.0)
 
 
 BURST = 4

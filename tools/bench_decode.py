@@ -30,7 +30,11 @@ what each kind of step reads from the weights; where steps are bound by memory b
 CPU host), `bandwidth_bound_speedup` (tokens per target pass x their ratio) is the ceiling.
 `policy` is the cost policy's state on the MTP-on engine after the timed passes, per slot
 bucket: its step prices and its verdict (the window cap, the pause left, its backoff and the gain
-it last measured per cap).
+it last measured per cap). `overlap_fraction` is, per mode, the share of the scheduler's host
+time between steps spent while a launched step computed (`SlotScheduler.overlap_fraction`):
+hidden under the device's time rather than added to it. `--background_load=N` keeps N other
+processes spinning on the host during the timed passes (MTP off and on alike), to see how the
+policy holds when the machine is busy.
 """
 
 from __future__ import annotations
@@ -38,7 +42,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import contextlib
 import pathlib
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -51,7 +58,7 @@ from mtpjax import errors, loading
 from mtpjax.draft_window import MAX_DRAFT_TOKENS, DraftWindow
 from mtpjax.engine.contract import pow2_bucket, warm_up
 from mtpjax.engine.drafting_policy import AdaptiveDrafting, DraftingCost
-from mtpjax.engine.scheduler import Request, Result, SlotScheduler
+from mtpjax.engine.scheduler import Request, Result, SlotScheduler, overlap_fraction
 from mtpjax.engine.sampling import SamplerParams
 from mtpjax.gguf.tokenizer import GgufTokenizer
 from mtpjax.models.traffic import weight_mb_per_step
@@ -90,7 +97,10 @@ _STRATEGY = flags.DEFINE_list(
     "composite; each beside `disabled`, over held-out text and repeated code "
     "(tools/bench_strategies.py), one JSON line per slot count")
 
-_REPORTED_FLAGS = (_SOURCE, _NEW_TOKENS, _PROMPTS, _PROMPT_LEN, _SLOTS, _MTP_COPIES_TRUNK,
+_BACKGROUND_LOAD = flags.DEFINE_integer(
+    "background_load", 0, "processes kept spinning on the host during the timed passes")
+
+_REPORTED_FLAGS = (_BACKGROUND_LOAD, _SOURCE, _NEW_TOKENS, _PROMPTS, _PROMPT_LEN, _SLOTS, _MTP_COPIES_TRUNK,
                    _SEED, _PROMPTS_FROM, _ROUNDS, _TEMPERATURE, _TOP_P, _DTYPE, _WEIGHTS,
                    _DRAFT_TOKENS, _STRATEGY)
 
@@ -138,10 +148,25 @@ def _windows(values: list[str], package: DraftWindow) -> list[DraftWindow]:
 
 
 def _timed_run(engine, requests: list[Request], adaptive: AdaptiveDrafting | None,
-               window: DraftWindow | None = None) -> tuple[list[Result], float]:
+               window: DraftWindow | None = None) -> tuple[list[Result], float, dict]:
+  """(results, seconds, the scheduler's host seconds by whether a step computed meanwhile)."""
   start = time.perf_counter()
-  results = SlotScheduler(engine, adaptive=adaptive, window=window).run(requests)
-  return results, time.perf_counter() - start
+  scheduler = SlotScheduler(engine, adaptive=adaptive, window=window)
+  results = scheduler.run(requests)
+  return results, time.perf_counter() - start, scheduler.host_seconds
+
+
+@contextlib.contextmanager
+def _background_load(processes: int):
+  """`processes` busy loops on the host for the duration (another tenant of the machine)."""
+  spinning = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+              for _ in range(processes)]
+  try:
+    yield
+  finally:
+    for process in spinning:
+      process.kill()
+      process.wait()
 
 
 def _drafting_share(results: list[Result]) -> float:
@@ -183,6 +208,8 @@ def main(argv):
   for flag in (_NEW_TOKENS, _PROMPTS, _PROMPT_LEN, _ROUNDS):
     if flag.value < 1:
       raise app.UsageError(f"--{flag.name} must be >= 1, got {flag.value}")
+  if _BACKGROUND_LOAD.value < 0:
+    raise app.UsageError(f"--background_load must be >= 0, got {_BACKGROUND_LOAD.value}")
   try:
     slot_counts = [int(v) for v in _SLOTS.value]
   except ValueError as exc:
@@ -251,18 +278,23 @@ def _measure(model, source: str, load_s: float, slots: int, window: DraftWindow)
     _timed_run(engines[engine_mode], requests, adaptive, window)
   seconds = {mode: 0.0 for mode in runs}
   tokens = {mode: 0 for mode in runs}
+  host = {mode: {True: 0.0, False: 0.0} for mode in runs}
   last: dict[str, list[Result]] = {}
   identical = True
-  for _ in range(_ROUNDS.value):
-    for mode, (engine_mode, adaptive) in runs.items():
-      results, elapsed = _timed_run(engines[engine_mode], requests, adaptive, window)
-      seconds[mode] += elapsed
-      tokens[mode] += sum(len(r.tokens) for r in results)
-      last[mode] = results
-    identical &= all(a.tokens == b.tokens == c.tokens
-                     for a, b, c in zip(last["off"], last["on"], last["always"]))
+  with _background_load(_BACKGROUND_LOAD.value):
+    for _ in range(_ROUNDS.value):
+      for mode, (engine_mode, adaptive) in runs.items():
+        results, elapsed, host_seconds = _timed_run(engines[engine_mode], requests, adaptive,
+                                                    window)
+        seconds[mode] += elapsed
+        tokens[mode] += sum(len(r.tokens) for r in results)
+        for overlapped, spent in host_seconds.items():
+          host[mode][overlapped] += spent
+        last[mode] = results
+      identical &= all(a.tokens == b.tokens == c.tokens
+                       for a, b, c in zip(last["off"], last["on"], last["always"]))
 
-  timed, _ = _timed_run(engines["timing"], requests, None, window)
+  timed = _timed_run(engines["timing"], requests, None, window)[0]
   timing = MtpStats.total(r.stats for r in timed)
   # Each live request adds its step's duration and one verified window, so this ratio is the
   # occupancy-weighted mean duration of one step's draft / verify half.
@@ -314,6 +346,7 @@ def _measure(model, source: str, load_s: float, slots: int, window: DraftWindow)
       "compile_s": compile_s,
       "native_mtp": timing.as_dict(),   # the timing pass: same counters, durations filled
       "policy": _policy(engines["on"]),
+      "overlap_fraction": {mode: overlap_fraction(spent) for mode, spent in host.items()},
   }
   return line
 

@@ -342,14 +342,16 @@ class DecodeEngine(Protocol):
            drafts: np.ndarray | None = None, logprobs: bool = False,
            decode_steps: int = 1) -> tuple[Any, np.ndarray, dict]: ...
 
-  # Whether `launch` may start a step before the last one is collected.
+  # Whether `launch` may start a step before the last one is collected, where that one is
+  # `fixed` (it commits exactly the rows it was launched for).
   overlapping: bool
 
   def launch(self, state: Any, active: np.ndarray, drafting: np.ndarray | None = None, *,
              drafts: np.ndarray | None = None, logprobs: bool = False,
              decode_steps: int = 1) -> tuple[Any, Any]:
     """`step` without waiting: (state, a pending step whose `collect()` returns what `step`
-    returns beside the state)."""
+    returns beside the state, and whose `fixed` says whether the next step may be launched
+    before it is collected)."""
 
   def catch_up(self, state: Any, active: np.ndarray) -> Any: ...
 

@@ -41,7 +41,10 @@ class AdaptiveDrafting:
   draft accepted (a compute-bound device at a large batch), no acceptance can change the
   verdict, only the prices (a change of load, rarely): the pause is `hopeless_pause` steps at
   once, the probes and catch-up after it a small share of them. A step in which
-  no slot drafts costs what a step with MTP off costs (no MTP block, see `Engine.step`).
+  no slot drafts costs what a step with MTP off costs (no MTP block, see `Engine.step`, and
+  launched while the last computes, see `SlotScheduler.step`), so drafting goes on only
+  where it beats pausing by `required_gain`: within that margin the two are noise apart,
+  and a pause is the side that cannot be slower than MTP off.
   """
   window: int = 8
   min_accept_rate: float = 0.3
@@ -50,6 +53,7 @@ class AdaptiveDrafting:
   max_backoff: int = 16
   probe_steps: int = 4          # plain steps sampled to price a step without drafting
   hopeless_pause: int = 1024
+  required_gain: float = 1.05
 
   MODES = ("cost", "accept_rate", "off")
   DEFAULT_MODE = "cost"     # the mode `AdaptiveDrafting()` is (the library's and the server's)
@@ -149,9 +153,6 @@ class DraftingCost:
     catch_up = passes * statistics.median(self.catch_up_pass) if self.catch_up_pass else 0.0
     paused = self.price(False) + catch_up / pause_steps
     return (1.0 + rate) * paused / self.price(True)
-
-  def drafting_pays(self, pause_steps: int) -> bool:
-    return self.drafting_gain(pause_steps) >= 1.0
 
 
 _ENGINE_COSTS: "weakref.WeakKeyDictionary[object, collections.defaultdict]" = (

@@ -376,10 +376,10 @@ class Engine(PrefillSteps):
 
   @property
   def overlapping(self) -> bool:
-    """Whether `launch` may start a step before the last one's tokens are read: each step
-    commits the positions it was launched for (no drafts), and one process runs every
-    stage."""
-    return not self.engine_cfg.drafts and isinstance(self.hops, LocalHops)
+    """Whether `launch` may start a step before the last one's tokens are read, where that
+    step is `PendingStep.fixed`: one process runs every stage, and no host drafter waits for
+    the tokens (native MTP's drafts stay on the device)."""
+    return not self.engine_cfg.host_drafts and isinstance(self.hops, LocalHops)
 
   def step(self, state: EngineState, active: np.ndarray, drafting: np.ndarray | None = None,
            *, drafts: np.ndarray | None = None, logprobs: bool = False, decode_steps: int = 1
@@ -394,9 +394,10 @@ class Engine(PrefillSteps):
              *, drafts: np.ndarray | None = None, logprobs: bool = False, decode_steps: int = 1
              ) -> tuple[EngineState, "PendingStep"]:
     """Start one step for every group: (state, its `PendingStep`). An `overlapping` engine may
-    launch the next step before collecting this one: positions advance here and a step reads
-    a copy of the page table, so freeing or admitting a slot meanwhile changes nothing it
-    computes. Otherwise collect each step before launching the next.
+    launch the next step before collecting a `fixed` one (MTP off's, or native MTP's while no
+    slot drafts): its positions advance here and a step reads a copy of the page table, so
+    freeing or admitting a slot meanwhile changes nothing it computes. Otherwise collect each
+    step before launching the next.
 
     With drafts (native MTP or `host_drafts`), `drafting` [B] gives each slot's draft window
     this step: ints, or bools (True: `draft_tokens`); None: every slot at `draft_tokens`. The
@@ -498,7 +499,7 @@ class Engine(PrefillSteps):
         counts = result[:, COUNT:decode_steps * ec.step_width:ec.step_width].sum(axis=1)
         state.positions += np.where(active, counts, 0)
       return result, info
-    return state, PendingStep(collect)
+    return state, PendingStep(collect, fixed)
 
   def _wants(self, logprobs: bool) -> bool:
     """Whether a prefill or step returns logprobs: asked for, of an engine that computes them.
@@ -545,8 +546,10 @@ class Engine(PrefillSteps):
 @dataclasses.dataclass(frozen=True)
 class PendingStep:
   """A launched step: `collect()` waits for its tokens and returns (ResultTokens, info) as
-  `Engine.step` does."""
+  `Engine.step` does. `fixed`: every active slot commits exactly the rows it was launched for
+  (no drafts verified), so the host knows the positions before collecting it."""
   collect: Callable[[], tuple[np.ndarray, dict]]
+  fixed: bool
 
 
 def _padded(result, slots: int) -> np.ndarray:

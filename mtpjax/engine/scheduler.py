@@ -34,6 +34,14 @@ from mtpjax.engine.requests import (LiveRequest, Request, RequestFailed, Result,
 from mtpjax.telemetry import MtpStats
 
 
+def overlap_fraction(host_seconds: dict[bool, float]) -> float:
+  """The share of the host's time between steps (launching them, handing out their tokens)
+  spent while a launched step computed, from seconds keyed by that (`host_seconds`): hidden
+  under the device's time, not added to it."""
+  total = host_seconds[True] + host_seconds[False]
+  return host_seconds[True] / total if total else 0.0
+
+
 @dataclasses.dataclass(frozen=True)
 class _Launched:
   """A step in flight: the engine's pending step, the live request of each slot it computes
@@ -97,6 +105,8 @@ class SlotScheduler:
         collections.deque())
     self.occupancy_samples: list[float] = []
     self.in_flight: _Launched | None = None   # a launched step not yet landed (overlapping)
+    self.host_seconds = {True: 0.0, False: 0.0}   # host time between steps, by overlapped
+    self._landed_at = 0.0                         # when the last step's tokens were read
 
   @property
   def native_mtp(self) -> bool:
@@ -273,19 +283,26 @@ class SlotScheduler:
 
   def step(self) -> None:
     """Admit waiting requests, then advance every live slot by one engine step. On an engine
-    that overlaps steps (`DecodeEngine.overlapping`) the step is launched before the last
-    one's tokens are handed out, so the host's work on them runs while the device computes:
-    a request that stopped in the last step (a stop id, a cancel) costs the launched step its
-    wasted rows (one, or a decode burst's), whose tokens are dropped; one at its token budget
-    or context end is left out."""
+    that overlaps steps (`DecodeEngine.overlapping`) the step after a fixed one (MTP off's,
+    or native MTP's while no slot drafts) is launched before the last one's tokens are handed
+    out, so the host's work on them runs while the device computes: a request that stopped
+    in the last step (a stop id, a cancel) costs the launched step its wasted rows (one, or a
+    decode burst's), whose tokens are dropped; one at its token budget or context end is left
+    out. The drafting policy then decides each step from verdicts a step old."""
     self._admit()
+    started = time.perf_counter()
     launched = self._launch()
+    self.host_seconds[self.in_flight is not None] += time.perf_counter() - started
     if self.in_flight is not None:
-      self._land(self.in_flight)
+      self._land(self.in_flight, overlapped=launched is not None)
     self.in_flight = launched
-    if launched is not None and not self.engine.overlapping:
+    if launched is not None and not (self.engine.overlapping and launched.pending.fixed):
       self.in_flight = None
-      self._land(launched)
+      self._land(launched, overlapped=False)
+
+  @property
+  def overlap_fraction(self) -> float:
+    return overlap_fraction(self.host_seconds)
 
   def _launch(self) -> "_Launched | None":
     """Start a step over every live slot with tokens left to make (None: no such slot)."""
@@ -343,9 +360,11 @@ class SlotScheduler:
       return burst
     return 1
 
-  def _land(self, step: "_Launched") -> None:
-    """Hand out a launched step's tokens to the slots it computed whose requests still run."""
+  def _land(self, step: "_Launched", overlapped: bool) -> None:
+    """Hand out a launched step's tokens to the slots it computed whose requests still run
+    (`overlapped`: while the next step computes)."""
     result, info = step.pending.collect()
+    collected = time.perf_counter()
     width = self.engine.engine_cfg.step_width
     logprobs = info.get("logprobs")
     # Each step's logprob rows: a burst's steps committed the same number of rows each.
@@ -369,10 +388,14 @@ class SlotScheduler:
         rows = (None if logprobs is None else
                 tuple(a[:, j * per_step:(j + 1) * per_step] for a in logprobs))
         self._emit(index, tokens, token_logprobs(live.request, rows, index, tokens))
-    if self.speculating:   # the step's wall time, with the host's per-step work
+    landed, self._landed_at = self._landed_at, time.perf_counter()
+    self.host_seconds[overlapped] += self._landed_at - collected
+    if self.speculating:
+      # The step's wall time with the host's per-step work, from its launch or, launched
+      # while the last one computed, from when that one landed: what it adds to a stream.
       drafted, steps = step.drafted, step.decode_steps
       # Only native MTP catches up after plain steps (an n-gram proposer has no cache).
-      self.cost.observe_step(drafted, time.perf_counter() - step.started,
+      self.cost.observe_step(drafted, self._landed_at - max(step.started, landed),
                              caught_up_rows=self._plain_steps if drafted and self.native_mtp
                              else 0, steps=steps)
       self._plain_steps = 0 if drafted else self._plain_steps + steps
@@ -459,13 +482,13 @@ class SlotScheduler:
     cap = self.window_cap
     pause = policy.pause(verdict.backoff)[0]
     gain = verdict.cap_gain[cap] = cost.drafting_gain(pause)
-    if gain >= 1.0:
+    if gain >= policy.required_gain:
       verdict.backoff = 1
       if cap < self.window.max and verdict.cap_gain.get(cap + 1, gain + 1.0) > gain:
         self._set_window_cap(cap + 1)
     elif cap > self.window.min:
       self._set_window_cap(cap - 1)
-    elif cost.drafting_gain(policy.hopeless_pause, accepted=cap) < 1.0:
+    elif cost.drafting_gain(policy.hopeless_pause, accepted=cap) < policy.required_gain:
       verdict.paused_steps, verdict.backoff = policy.hopeless_pause, policy.max_backoff
     else:
       verdict.paused_steps, verdict.backoff = policy.pause(verdict.backoff)
