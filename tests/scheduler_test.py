@@ -371,6 +371,19 @@ class DraftWindowPolicyTest(absltest.TestCase):
     for _ in range(10):
       scheduler._price_drafting(False)
     self.assertEqual(scheduler.batch_paused_steps, 90)
+    # Each probe that finds the same doubles the next pause, up to 2**4 times.
+    pauses = []
+    for _ in range(6):
+      scheduler.batch_paused_steps = 0
+      scheduler._price_drafting(True)
+      pauses.append(scheduler.batch_paused_steps)
+    self.assertEqual(pauses, [200, 400, 800, 1600, 1600, 1600])
+    cost.observe_draft(1)
+    for _ in range(16):
+      cost.observe_step(True, 1.0)      # drafting pays again: the doubling starts over
+    scheduler.batch_paused_steps = 0
+    scheduler._price_drafting(True)
+    self.assertEqual((scheduler.batch_paused_steps, scheduler.verdict.hopeless), (0, 0))
 
   def test_prices_and_verdicts_are_kept_per_slot_bucket(self):
     scheduler = SlotScheduler(engine(True, slots=4), adaptive=AdaptiveDrafting())

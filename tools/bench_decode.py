@@ -233,6 +233,10 @@ def main(argv):
     for slots in slot_counts:
       for window in windows:
         print(json.dumps(_measure(model, source, load_s, slots, window)), flush=True)
+        # Each line compiles three engines: dropping their executables keeps a long grid
+        # within the host's memory maps (LLVM's code allocation failed, then segfaulted, by
+        # the fifth line of --slots=1,8 --draft_tokens=1,3,adaptive).
+        jax.clear_caches()
 
 
 def _compare_strategies(model, source: str, slot_counts: list[int], tmp: pathlib.Path) -> None:

@@ -40,7 +40,8 @@ class AdaptiveDrafting:
   steps (not a whole `window`) re-price it. When drafting could not pay even with every
   draft accepted (a compute-bound device at a large batch), no acceptance can change the
   verdict, only the prices (a change of load, rarely): the pause is `hopeless_pause` steps at
-  once, the probes and catch-up after it a small share of them. A step in which
+  once, doubling (up to `hopeless_doublings` times) while the probe after it finds the same,
+  so the probes and catch-up after it stay a small share of a long run. A step in which
   no slot drafts costs what a step with MTP off costs (no MTP block, see `Engine.step`, and
   launched while the last computes, see `SlotScheduler.step`), so drafting goes on only
   where it beats pausing by `required_gain`: within that margin the two are noise apart,
@@ -53,6 +54,7 @@ class AdaptiveDrafting:
   max_backoff: int = 16
   probe_steps: int = 4          # plain steps sampled to price a step without drafting
   hopeless_pause: int = 1024
+  hopeless_doublings: int = 4
   required_gain: float = 1.05
 
   MODES = ("cost", "accept_rate", "off")
@@ -85,6 +87,7 @@ class BatchVerdict:
   window_cap: int | None = None   # the cap on every slot's window (None: the window's max)
   cap_gain: dict = dataclasses.field(default_factory=dict)   # last gain measured per cap
   drafting_steps: int = 0         # drafting steps since the last verdict
+  hopeless: int = 0               # verdicts in a row that drafting could never pay
 
 
 class DraftingCost:

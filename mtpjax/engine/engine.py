@@ -369,9 +369,10 @@ class Engine(PrefillSteps):
         state.pages.grow_slot(slot, pos, self.engine_cfg.draft_tokens)
       if self.hops.local(self.last):
         k = self.slots_for(live)
+        table = state.pages.table[lo:lo + k].copy()     # jit may alias a host array
         for _ in range(passes):
           state.keep(group, self._catch_up(self._leaves[self.last], state.joined(group),
-                                           state.pages.table[lo:lo + k], live[:k]))
+                                           table, live[:k]))
     return state
 
   @property

@@ -482,6 +482,7 @@ class SlotScheduler:
     cap = self.window_cap
     pause = policy.pause(verdict.backoff)[0]
     gain = verdict.cap_gain[cap] = cost.drafting_gain(pause)
+    hopeless, verdict.hopeless = verdict.hopeless, 0
     if gain >= policy.required_gain:
       verdict.backoff = 1
       if cap < self.window.max and verdict.cap_gain.get(cap + 1, gain + 1.0) > gain:
@@ -489,7 +490,8 @@ class SlotScheduler:
     elif cap > self.window.min:
       self._set_window_cap(cap - 1)
     elif cost.drafting_gain(policy.hopeless_pause, accepted=cap) < policy.required_gain:
-      verdict.paused_steps, verdict.backoff = policy.hopeless_pause, policy.max_backoff
+      verdict.paused_steps = policy.hopeless_pause << min(hopeless, policy.hopeless_doublings)
+      verdict.backoff, verdict.hopeless = policy.max_backoff, hopeless + 1
     else:
       verdict.paused_steps, verdict.backoff = policy.pause(verdict.backoff)
 
