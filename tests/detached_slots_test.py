@@ -113,6 +113,18 @@ class DetachedSchedulerTest(absltest.TestCase):
         self.assertEqual(live.detached, left[index] <= 16, index)
         self.assertEqual(scheduler.state.detached[index], live.detached)
 
+  def test_a_hopeless_pause_detaches_every_slot_however_short(self):
+    scheduler = _paused_scheduler(0)
+    for request in self.requests[:SLOTS]:
+      scheduler.submit(request, lambda result: None)
+    scheduler.step()
+    self.assertFalse(any(live.detached for live in scheduler.slots if live is not None))
+    scheduler.batch_paused_steps = 2        # outlasts none of them, but drafting could never
+    scheduler.verdict.hopeless = 1          # pay: the probe after it needs no catch-up
+    scheduler.step()
+    live = [live for live in scheduler.slots if live is not None]
+    self.assertTrue(live and all(slot.detached for slot in live))
+
   def test_outputs_hold_when_drafting_resumes_beside_detached_slots(self):
     scheduler = _paused_scheduler(12)       # of the first four, outlasts the 9-token one only
     results = {}

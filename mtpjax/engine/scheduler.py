@@ -438,11 +438,15 @@ class SlotScheduler:
       live.mtp_chain = mtp_chain(row, self.engine.engine_cfg.draft_tokens)
 
   def _outlasted(self, steps: int) -> bool:
-    """Whether the cost policy's batch pause lasts `steps` more steps: a request that ends
-    within them cannot draft, so native MTP detaches it (`Engine.detach`) and its steps and
-    prefill cost what they cost with MTP off. Only without host drafting, whose drafts do not
+    """Whether the cost policy's batch pause lasts `steps` more steps, or is a pause for
+    drafting that could never pay: a request that ends within it, or that would draft only
+    to be priced again, native MTP detaches (`Engine.detach`), so its steps and prefill cost
+    what they cost with MTP off and no catch-up is owed; the probe after a hopeless pause
+    drafts with requests that come after it. Only without host drafting, whose drafts do not
     wait for the pause."""
-    return self.native_mtp and self.drafter is None and self.batch_paused_steps >= steps
+    paused = self.batch_paused_steps
+    return (self.native_mtp and self.drafter is None and paused > 0
+            and (paused >= steps or self.verdict.hopeless > 0))
 
   def _detach_outlasted(self) -> None:
     if not self.batch_paused_steps:
