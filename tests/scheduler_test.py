@@ -559,7 +559,8 @@ class CostAwareDraftingTest(parameterized.TestCase):
     cost.observe_step(True, 1.5 + 2.4, caught_up_rows=8)   # resumed after 8 paused steps
     self.assertLen(cost.seconds[True], 4)      # not a drafting step's price
     self.assertAlmostEqual(cost.catch_up_pass[0], 2.4)     # 8 rows: one pass
-    self.assertGreaterEqual(cost.drafting_gain(8), 1.0)     # (1 + 0.25) x (1.0 + 2.4 / 8) s >= 1.5 s
+    # (1 + 0.25) x (1.0 + 2.4 / 8) s >= 1.5 s
+    self.assertGreaterEqual(cost.drafting_gain(8), 1.0)
     # A 64-step pause needs 4 passes of 16 rows: (1 + 0.25) x (1.0 + 4 x 2.4 / 64) s < 1.5 s
     self.assertLess(cost.drafting_gain(64), 1.0)
     cost.observe_step(True, 1.5 + 2.4, caught_up_rows=32)  # two passes

@@ -39,10 +39,10 @@ policy holds when the machine is busy.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
-import contextlib
 import pathlib
 import subprocess
 import sys
@@ -100,9 +100,9 @@ _STRATEGY = flags.DEFINE_list(
 _BACKGROUND_LOAD = flags.DEFINE_integer(
     "background_load", 0, "processes kept spinning on the host during the timed passes")
 
-_REPORTED_FLAGS = (_BACKGROUND_LOAD, _SOURCE, _NEW_TOKENS, _PROMPTS, _PROMPT_LEN, _SLOTS, _MTP_COPIES_TRUNK,
-                   _SEED, _PROMPTS_FROM, _ROUNDS, _TEMPERATURE, _TOP_P, _DTYPE, _WEIGHTS,
-                   _DRAFT_TOKENS, _STRATEGY)
+_REPORTED_FLAGS = (_BACKGROUND_LOAD, _SOURCE, _NEW_TOKENS, _PROMPTS, _PROMPT_LEN, _SLOTS,
+                   _MTP_COPIES_TRUNK, _SEED, _PROMPTS_FROM, _ROUNDS, _TEMPERATURE, _TOP_P, _DTYPE,
+                   _WEIGHTS, _DRAFT_TOKENS, _STRATEGY)
 
 
 def _open_model(tmp: pathlib.Path):
